@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import types
 from typing import Any, Mapping
 
@@ -126,6 +127,16 @@ class ClusterConfig:
                 f"{where} has unknown key(s) {sorted(unknown_keys)}. Expected only "
                 "'cluster', 'task', 'rpc_layer' and 'environment'."
             )
+        rpc_layer = tf_config.get("rpc_layer", "grpc")
+        if not isinstance(rpc_layer, str) or not re.fullmatch(r"[a-z][a-z0-9+]*", rpc_layer):
+            raise ClusterConfigError(
+                f"{where}['rpc_layer'] must be a protocol name such as 'grpc'. "
+                f"Received: rpc_layer={rpc_layer!r}."
+            )
+        if "cluster" not in tf_config and "task" not in tf_config:
+            # TF reads TF_CONFIG='{}' as "no cluster" (a lone process); so do we, which
+            # also lets to_tf_config() of a lone process round-trip.
+            return cls(rpc_layer=rpc_layer, source=source)
         if "cluster" not in tf_config:
             raise ClusterConfigError(
                 f"{where} has no 'cluster' field. Expected a mapping such as "
@@ -133,12 +144,6 @@ class ClusterConfig:
             )
         cluster = _parse_cluster(tf_config["cluster"], where)
         task_type, task_index = _parse_task(tf_config.get("task"), cluster, where)
-        rpc_layer = tf_config.get("rpc_layer", "grpc")
-        if not isinstance(rpc_layer, str) or not rpc_layer:
-            raise ClusterConfigError(
-                f"{where}['rpc_layer'] must be a non-empty string such as 'grpc'. "
-                f"Received: rpc_layer={rpc_layer!r}."
-            )
         return cls(
             cluster=types.MappingProxyType(cluster),
             task_type=task_type,
@@ -179,7 +184,9 @@ class ClusterConfig:
         return tuple(self.cluster.get("chief", ())) + tuple(self.cluster.get("worker", ()))
 
     def to_tf_config(self) -> str:
-        """Serialises back to a TF_CONFIG JSON string."""
+        """Serialises back to a TF_CONFIG JSON string (`"{}"` for a lone process)."""
+        if self.task_type is None:
+            return json.dumps({} if self.rpc_layer == "grpc" else {"rpc_layer": self.rpc_layer})
         return json.dumps(
             {
                 "cluster": {k: list(v) for k, v in self.cluster.items()},
@@ -203,7 +210,7 @@ def _parse_cluster(cluster: Any, where: str) -> dict[str, tuple[str, ...]]:
             f"addresses. Received: {type(cluster).__name__} {_shorten(cluster)!r}."
         )
     parsed: dict[str, tuple[str, ...]] = {}
-    seen: dict[str, str] = {}
+    seen: dict[tuple[str, int], str] = {}
     for task_type, addresses in cluster.items():
         if task_type in _OTHER_STRATEGY_TASK_TYPES:
             raise ClusterConfigError(
@@ -224,14 +231,17 @@ def _parse_cluster(cluster: Any, where: str) -> dict[str, tuple[str, ...]]:
             )
         field = f"{where}['cluster'][{task_type!r}]"
         for position, address in enumerate(addresses):
-            _check_address(address, f"{field}[{position}]")
-            if address in seen:
+            key = _check_address(address, f"{field}[{position}]")
+            if key in seen:
                 raise ClusterConfigError(
                     f"{field}[{position}] repeats address {address!r}, already used by "
-                    f"{seen[address]}. Every task needs its own host:port."
+                    f"{seen[key]}. Every task needs its own host:port."
                 )
-            seen[address] = f"{field}[{position}]"
-        parsed[task_type] = tuple(addresses)
+            seen[key] = f"{field}[{position}]"
+        if addresses:
+            # An empty list names no task; dropping it keeps `"chief": []` from counting
+            # as a chief and gives a clear error for a task of that type.
+            parsed[task_type] = tuple(addresses)
     if len(parsed.get("chief", ())) > 1:
         raise ClusterConfigError(
             f"{where}['cluster']['chief'] lists {len(parsed['chief'])} addresses "
@@ -258,6 +268,11 @@ def _parse_task(task: Any, cluster: Mapping[str, tuple[str, ...]], where: str):
             f"Received: {type(task).__name__} {_shorten(task)!r}."
         )
     task_type = task.get("type")
+    if not isinstance(task_type, str):
+        raise ClusterConfigError(
+            f"{where}['task']['type'] must be a string such as 'worker'. "
+            f"Received: type={task_type!r}."
+        )
     if task_type in _OTHER_STRATEGY_TASK_TYPES:
         raise ClusterConfigError(
             f"{where}['task']['type'] is {task_type!r}, which MirroredStrategy and "
@@ -269,12 +284,18 @@ def _parse_task(task: Any, cluster: Mapping[str, tuple[str, ...]], where: str):
             f"{where}['task']['type'] is {task_type!r}, but the cluster has task types "
             f"{sorted(cluster)}. Expected one of them."
         )
-    task_index = task.get("index", 0 if "index" not in task else None)
+    size = len(cluster[task_type])
+    if "index" not in task and size > 1:
+        # Defaulting to 0 here would make every process of the type claim index 0.
+        raise ClusterConfigError(
+            f"{where}['task'] has no 'index', but the cluster has {size} {task_type!r} "
+            f"addresses. Set a distinct index (0..{size - 1}) on each process."
+        )
+    task_index = task.get("index", 0)
     if isinstance(task_index, bool) or not isinstance(task_index, int):
         raise ClusterConfigError(
             f"{where}['task']['index'] must be an integer. Received: index={task_index!r}."
         )
-    size = len(cluster[task_type])
     if not 0 <= task_index < size:
         raise ClusterConfigError(
             f"{where}['task']['index'] is {task_index}, out of range for the {size} "
@@ -283,21 +304,30 @@ def _parse_task(task: Any, cluster: Mapping[str, tuple[str, ...]], where: str):
     return task_type, task_index
 
 
-def _check_address(address: Any, field: str) -> None:
+def _check_address(address: Any, field: str) -> tuple[str, int]:
+    """Validates `host:port` / `[ipv6]:port`; returns (host, port) for duplicate checks."""
     if not isinstance(address, str) or ":" not in address:
         raise ClusterConfigError(
             f"{field} must be a 'host:port' string. Received: {address!r}."
         )
     host, _, port = address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host or any(c.isspace() for c in host):
-        raise ClusterConfigError(f"{field} has an empty or invalid host. Received: {address!r}.")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        valid_host = re.fullmatch(r"[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?", host[1:-1])
+    else:
+        # A bare IPv6 address ("::1:2222") is ambiguous; gRPC wants it bracketed.
+        valid_host = re.fullmatch(r"[A-Za-z0-9_.-]+", host)
+    if not valid_host:
+        raise ClusterConfigError(
+            f"{field} has an empty or invalid host {host!r}; expected a host name, an "
+            f"IPv4 address or a bracketed IPv6 address ('[::1]:2222'). Received: {address!r}."
+        )
+    # isdigit() alone accepts non-ASCII digits such as '²', which int() then rejects.
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise ClusterConfigError(
             f"{field} has port {port!r}; expected an integer in 1..65535. "
             f"Received: {address!r}."
         )
+    return host.lower(), int(port)
 
 
 def _shorten(value: Any, limit: int = 120) -> str:
@@ -308,9 +338,9 @@ def _shorten(value: Any, limit: int = 120) -> str:
 def _current() -> ClusterConfig:
     # The strategy created in this process fixed the cluster it trains on; prefer its
     # config so a later change to os.environ cannot make helpers disagree with it.
-    from keras_dist import strategy as strategy_module
+    from keras_dist.strategy import _created_cluster_config
 
-    config = strategy_module._created_cluster_config()
+    config = _created_cluster_config()
     return config if config is not None else ClusterConfig.from_env()
 
 

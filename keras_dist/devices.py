@@ -1,0 +1,156 @@
+"""Devices: list the accelerators, and split one into virtual devices for tests.
+
+`virtual_devices(n)` turns the first GPU (or, without a GPU, the CPU) into `n` logical
+devices, so MirroredStrategy can be exercised with several replicas on a laptop, in CI or
+in a notebook. TensorFlow fixes the logical device layout when its runtime initialises
+(the first op, or the first `tf.config.list_logical_devices()`), so this must run first.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+__all__ = ["virtual_devices", "physical_devices", "local_devices"]
+
+_DEVICE_TYPES = ("CPU", "GPU")
+# Leave headroom on a split GPU for the CUDA context and cuDNN workspaces, which live
+# outside the per-device memory limit.
+_GPU_MEMORY_FRACTION = 0.9
+_FALLBACK_GPU_MEMORY_MB = 4096
+
+
+def _check_device_type(device_type: str | None) -> str | None:
+    if device_type is None:
+        return None
+    if not isinstance(device_type, str) or device_type.upper() not in _DEVICE_TYPES:
+        raise ValueError(
+            f"Argument `device_type` must be 'CPU', 'GPU' or None (first GPU, else CPU). "
+            f"Received: device_type={device_type!r}"
+        )
+    return device_type.upper()
+
+
+def physical_devices(device_type: str | None = None) -> list[str]:
+    """Names of the physical devices TensorFlow sees (does not initialise the runtime).
+
+    Args:
+        device_type: `"GPU"`, `"CPU"`, or `None` for all.
+
+    Returns:
+        Names such as `"/physical_device:GPU:0"`.
+    """
+    import tensorflow as tf
+
+    device_type = _check_device_type(device_type)
+    return [d.name for d in tf.config.list_physical_devices(device_type)]
+
+
+def local_devices(device_type: str | None = None) -> list[str]:
+    """Names of the logical devices of this process (initialises the TF runtime).
+
+    With no `device_type`, the GPUs if there are any, else the CPUs: the devices a
+    MirroredStrategy on this machine would replicate over.
+
+    Returns:
+        Names such as `"/job:localhost/replica:0/task:0/device:GPU:0"`.
+    """
+    import tensorflow as tf
+
+    device_type = _check_device_type(device_type)
+    if device_type is None:
+        gpus = tf.config.list_logical_devices("GPU")
+        return [d.name for d in gpus] if gpus else [
+            d.name for d in tf.config.list_logical_devices("CPU")
+        ]
+    return [d.name for d in tf.config.list_logical_devices(device_type)]
+
+
+def virtual_devices(
+    n: int, device_type: str | None = None, *, memory_limit_mb: int | None = None
+) -> list[str]:
+    """Splits the first GPU (or the CPU) into `n` logical devices and returns their names.
+
+    Use it at the top of a test, script or notebook, before any other TensorFlow call, to
+    get `n` replicas from `keras_dist.strategy()` on one device. On a GPU the memory is
+    split evenly (90% of the card, or `memory_limit_mb` per device). Calling it again with
+    the same `n` after the runtime started returns the same names (so a notebook cell can
+    be re-run).
+
+    Args:
+        n: Number of logical devices, >= 1.
+        device_type: `"GPU"`, `"CPU"`, or `None` for the first GPU if any, else the CPU.
+        memory_limit_mb: Memory per logical GPU in MiB; default an even split.
+
+    Returns:
+        Device names usable as `keras_dist.strategy(devices=...)`, e.g.
+        `["/device:CPU:0", "/device:CPU:1"]`.
+
+    Raises:
+        ValueError: `n` is not a positive integer, or `device_type` is unknown or absent.
+        RuntimeError: The TensorFlow runtime already initialised with another layout.
+
+    Example:
+        >>> import keras_dist
+        >>> keras_dist.virtual_devices(2, "CPU")
+        ['/device:CPU:0', '/device:CPU:1']
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"Argument `n` must be an integer >= 1. Received: n={n!r}")
+    if memory_limit_mb is not None and (
+        isinstance(memory_limit_mb, bool) or not isinstance(memory_limit_mb, int)
+        or memory_limit_mb < 1
+    ):
+        raise ValueError(
+            "Argument `memory_limit_mb` must be a positive integer or None. "
+            f"Received: memory_limit_mb={memory_limit_mb!r}"
+        )
+    import tensorflow as tf
+
+    device_type = _check_device_type(device_type)
+    if device_type is None:
+        device_type = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
+    physical = tf.config.list_physical_devices(device_type)
+    if not physical:
+        raise ValueError(
+            f"Argument `device_type` is {device_type!r}, but TensorFlow sees no "
+            f"{device_type} device on this machine. Use device_type='CPU' or None."
+        )
+    first = physical[0]
+    names = [f"/device:{device_type}:{i}" for i in range(n)]
+    current = tf.config.get_logical_device_configuration(first)
+    if current is not None and len(current) == n:
+        return names
+    if device_type == "GPU":
+        per_device = memory_limit_mb or max(
+            1, int(_gpu_total_memory_mb(0) * _GPU_MEMORY_FRACTION) // n
+        )
+        config = [tf.config.LogicalDeviceConfiguration(memory_limit=per_device)] * n
+    else:
+        config = [tf.config.LogicalDeviceConfiguration()] * n
+    try:
+        tf.config.set_logical_device_configuration(first, config)
+    except RuntimeError as error:
+        existing = len(current) if current else 1
+        raise RuntimeError(
+            f"keras_dist.virtual_devices({n}) must run before TensorFlow initialises its "
+            f"runtime: the logical {device_type} layout ({existing} device(s)) is fixed "
+            "by the first TensorFlow op or device listing and cannot change afterwards. "
+            "Call virtual_devices() at the top of the script, or restart the notebook "
+            f"kernel and call it first. (TensorFlow said: {error})"
+        ) from None
+    return names
+
+
+def _gpu_total_memory_mb(index: int) -> int:
+    """Total memory of GPU `index` in MiB, asking nvidia-smi (which does not touch TF)."""
+    if shutil.which("nvidia-smi") is None:
+        return _FALLBACK_GPU_MEMORY_MB
+    try:
+        output = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout.split()
+        return int(float(output[index]))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return _FALLBACK_GPU_MEMORY_MB
