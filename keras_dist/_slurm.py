@@ -359,19 +359,23 @@ def _placement(tasks_per_node: list[int], plane_size: int | None) -> list[tuple[
 
 def _check_own_placement(environ, rank, hosts, placement, error_type) -> None:
     node, local = placement[rank]
-    distribution = environ.get("SLURM_DISTRIBUTION", "block (default)")
+    distribution = (
+        f"SLURM_DISTRIBUTION={environ['SLURM_DISTRIBUTION']!r}"
+        if "SLURM_DISTRIBUTION" in environ
+        else "the default block distribution"
+    )
     actual_node = environ.get("SLURMD_NODENAME")
     if actual_node is not None and actual_node != hosts[node]:
         raise error_type(
             f"SLURMD_NODENAME={actual_node!r} but rank {rank} should run on {hosts[node]!r} "
-            f"under SLURM_DISTRIBUTION={distribution!r}; the task placement is not the one "
+            f"under {distribution}; the task placement is not the one "
             "keras_dist computed. Launch with `srun --distribution=block`, or set TF_CONFIG."
         )
     actual_local = environ.get("SLURM_LOCALID")
     if actual_local is not None and actual_local != str(local):
         raise error_type(
             f"SLURM_LOCALID={actual_local!r} but rank {rank} should be task {local} on "
-            f"{hosts[node]!r} under SLURM_DISTRIBUTION={distribution!r}. Launch with "
+            f"{hosts[node]!r} under {distribution}. Launch with "
             "`srun --distribution=block`, or set TF_CONFIG."
         )
 
