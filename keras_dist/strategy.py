@@ -144,6 +144,9 @@ def strategy(
            timeout_seconds, cluster)
     for created in _created:
         if created.key == key:
+            # The most recently requested strategy is the one `strategy=None` means.
+            _created.remove(created)
+            _created.append(created)
             return created.strategy
     for created in _created:
         if created.kind == "multi_worker":
@@ -250,7 +253,7 @@ def resolve_strategy(strategy=None):
     """The strategy a keras_dist function with `strategy=None` works with.
 
     In order: `strategy` itself when given; the strategy whose `scope()` is active; the
-    newest one `keras_dist.strategy()` created in this process; TensorFlow's default
+    one `keras_dist.strategy()` returned last in this process; TensorFlow's default
     strategy. So batch and data code written outside `scope()` still sees every replica.
 
     Raises:

@@ -1,0 +1,182 @@
+"""The strategy factory: which strategy for which cluster/devices, and its errors."""
+
+import json
+
+import pytest
+
+from keras_dist.testing import run_in_subprocess, run_on_workers
+
+
+# -- run in fresh processes (TF's device layout is fixed once per process) ------------
+def _factory_choices():
+    import tensorflow as tf
+
+    import keras_dist
+
+    names = keras_dist.virtual_devices(4, "CPU")
+    auto = keras_dist.strategy()
+    again = keras_dist.strategy()
+    two = keras_dist.strategy(devices=names[:2])
+    resolved_is_two = keras_dist.resolve_strategy() is two
+    one = keras_dist.strategy("one_device", devices=names[:1])
+    keras_dist.strategy()
+    resolved_is_auto_again = keras_dist.resolve_strategy() is auto
+    with two.scope():
+        resolved_in_scope = keras_dist.resolve_strategy() is two
+    errors = {}
+    for label, call in {
+        "multi_worker_without_cluster": lambda: keras_dist.strategy("multi_worker"),
+        "nccl_on_cpu": lambda: keras_dist.strategy(implementation="nccl"),
+        "one_device_with_two": lambda: keras_dist.strategy("one_device", devices=names[:2]),
+    }.items():
+        try:
+            call()
+        except ValueError as error:
+            errors[label] = str(error)
+    late = None
+    try:
+        keras_dist.virtual_devices(2, "CPU")
+    except RuntimeError as error:
+        late = str(error)
+    return {
+        "names": names,
+        "auto": type(auto).__name__,
+        "auto_replicas": auto.num_replicas_in_sync,
+        "same_object": auto is again,
+        "resolved": [resolved_is_two, resolved_is_auto_again, resolved_in_scope],
+        "two_replicas": two.num_replicas_in_sync,
+        "one": type(one).__name__,
+        "is_mirrored": isinstance(auto, tf.distribute.MirroredStrategy),
+        "errors": errors,
+        "late_virtual_devices": late,
+        "same_layout_again": keras_dist.virtual_devices(4, "CPU"),
+    }
+
+
+def _no_cluster_choice():
+    import keras_dist
+
+    chosen = keras_dist.strategy()
+    return type(chosen).__name__, chosen.num_replicas_in_sync, keras_dist.num_workers()
+
+
+def _multi_worker_choice():
+    import tensorflow as tf
+
+    import keras_dist
+
+    chosen = keras_dist.strategy()
+    value = chosen.reduce(
+        "SUM",
+        chosen.run(lambda: tf.constant(float(keras_dist.worker_index() + 1))),
+        axis=None,
+    )
+    return {
+        "type": "MultiWorkerMirroredStrategy"
+        if isinstance(chosen, tf.distribute.MultiWorkerMirroredStrategy)
+        else type(chosen).__name__,
+        "replicas": chosen.num_replicas_in_sync,
+        "same_object": chosen is keras_dist.strategy(),
+        "all_reduced_sum": float(value),
+        "is_chief": keras_dist.is_chief(),
+        "worker_index": keras_dist.worker_index(),
+        "num_workers": keras_dist.num_workers(),
+    }
+
+
+def test_no_cluster_gives_one_replica():
+    name, replicas, workers = run_in_subprocess(_no_cluster_choice, timeout=120)
+    assert replicas == 1
+    assert workers == 1
+    assert name == "_DefaultDistributionStrategy"
+
+
+def test_four_virtual_devices_give_mirrored_with_four_replicas():
+    result = run_in_subprocess(_factory_choices, timeout=120)
+    assert result["names"] == [f"/device:CPU:{i}" for i in range(4)]
+    assert result["auto"] == "MirroredStrategy" and result["is_mirrored"]
+    assert result["auto_replicas"] == 4
+    assert result["same_object"], "strategy() twice with the same arguments must reuse it"
+    # strategy=None means: the active scope, else the strategy returned last.
+    assert result["resolved"] == [True, True, True]
+    assert result["two_replicas"] == 2
+    assert result["one"] == "OneDeviceStrategy"
+    assert "no multi-worker cluster" in result["errors"]["multi_worker_without_cluster"]
+    assert "TF_CONFIG" in result["errors"]["multi_worker_without_cluster"]
+    assert "NCCL needs GPUs" in result["errors"]["nccl_on_cpu"]
+    assert "exactly one device" in result["errors"]["one_device_with_two"]
+    assert "must run before TensorFlow initialises" in result["late_virtual_devices"]
+    assert result["same_layout_again"] == result["names"]
+
+
+@pytest.mark.multiworker
+def test_two_launched_workers_give_multi_worker_strategy():
+    results = run_on_workers(_multi_worker_choice, num_workers=2, timeout=180)
+    assert [r["type"] for r in results] == ["MultiWorkerMirroredStrategy"] * 2
+    assert [r["replicas"] for r in results] == [2, 2]
+    assert all(r["same_object"] for r in results)
+    # 1 + 2 summed across both workers proves a real cross-process all-reduce.
+    assert [r["all_reduced_sum"] for r in results] == [3.0, 3.0]
+    assert [r["is_chief"] for r in results] == [True, False]
+    assert [r["worker_index"] for r in results] == [0, 1]
+    assert [r["num_workers"] for r in results] == [2, 2]
+
+
+# -- argument validation (no TF runtime needed beyond import) -------------------------
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"kind": "tpu"}, "kind"),
+        ({"implementation": "mpi"}, "implementation"),
+        ({"bytes_per_pack": -1}, "bytes_per_pack"),
+        ({"bytes_per_pack": 1.5}, "bytes_per_pack"),
+        ({"timeout_seconds": 0}, "timeout_seconds"),
+        ({"timeout_seconds": "10"}, "timeout_seconds"),
+        ({"devices": "/cpu:0"}, "devices"),
+        ({"devices": []}, "devices"),
+        ({"devices": ["/cpu:0", "/cpu:0"]}, "devices"),
+    ],
+)
+def test_bad_arguments_name_the_field(kwargs, field):
+    import keras_dist
+
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        keras_dist.strategy(**kwargs)
+
+
+def test_mirrored_with_multi_worker_cluster_is_refused(monkeypatch):
+    import keras_dist
+
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        json.dumps({"cluster": {"worker": ["127.0.0.1:1111", "127.0.0.1:1112"]},
+                    "task": {"type": "worker", "index": 0}}),
+    )
+    with pytest.raises(ValueError, match="kind='multi_worker' or 'auto'"):
+        keras_dist.strategy("mirrored")
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        keras_dist.strategy(devices=["/cpu:0"])
+
+
+def test_bad_tf_config_surfaces_as_cluster_config_error(monkeypatch):
+    import keras_dist
+
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(keras_dist.ClusterConfigError, match="TF_CONFIG is not valid JSON"):
+        keras_dist.strategy()
+
+
+def test_resolve_strategy_rejects_non_strategy():
+    import keras_dist
+
+    with pytest.raises(TypeError, match="`strategy`"):
+        keras_dist.resolve_strategy("mirrored")
+
+
+def test_virtual_devices_validates_arguments():
+    import keras_dist
+
+    with pytest.raises(ValueError, match="`n`"):
+        keras_dist.virtual_devices(0)
+    with pytest.raises(ValueError, match="`device_type`"):
+        keras_dist.virtual_devices(2, "TPU")
