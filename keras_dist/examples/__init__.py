@@ -1,0 +1,1 @@
+"""Runnable examples shipped with keras_dist (`keras-dist demo`)."""
