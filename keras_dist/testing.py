@@ -1,0 +1,110 @@
+"""Helpers for tests that need several workers or a fresh TensorFlow runtime.
+
+TensorFlow configures its devices and cluster once per process, so a test that wants two
+workers, or four virtual CPU devices after something already touched TensorFlow, has to
+run its code in new processes. These helpers do that with the same machinery as
+`keras_dist.notebook_launcher` and `keras-dist launch`, with a default timeout so a
+deadlocked collective fails the test instead of hanging it. Collect results as return
+values and assert in the test process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+from keras_dist.notebook import WorkerError, _run_function
+
+__all__ = ["WorkerError", "run_in_subprocess", "run_on_workers"]
+
+
+def run_on_workers(
+    fn: Callable[..., Any],
+    num_workers: int = 2,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float | None = 300,
+    env: Mapping[str, str | None] | None = None,
+    virtual_devices: int | None = None,
+) -> list:
+    """Calls `fn(*args, **kwargs)` on `num_workers` local workers and returns the results.
+
+    Each worker is a fresh process with its own `TF_CONFIG` (a worker-only cluster on
+    loopback ports), exactly as under `keras-dist launch`. Define `fn` at module level in
+    the test module (it is imported by name in the workers) or as a closure/lambda (sent
+    by value). Import TensorFlow inside `fn`, not at the top of the test module, to keep
+    workers that do not need it fast.
+
+    Args:
+        fn: The function to run; it and its arguments must be picklable by cloudpickle.
+        num_workers: Number of worker processes (>= 1).
+        args: Positional arguments, the same for every worker.
+        kwargs: Keyword arguments, the same for every worker.
+        timeout: Seconds before all workers are stopped and `TimeoutError` is raised.
+        env: Extra environment variables for the workers (`None` values unset).
+        virtual_devices: Give each worker this many logical devices
+            (`keras_dist.virtual_devices(k)`) before `fn` runs.
+
+    Returns:
+        The return values, ordered by worker index.
+
+    Raises:
+        WorkerError: A worker raised or died; the message names it and includes its
+            traceback.
+        TimeoutError: The workers did not finish within `timeout`.
+
+    Example:
+        >>> def task_index():
+        ...     import keras_dist
+        ...     return keras_dist.worker_index()
+        >>> run_on_workers(task_index, num_workers=2)
+        [0, 1]
+    """
+    return _run_function(
+        fn, args=args, kwargs=kwargs, num_workers=num_workers, timeout=timeout, env=env,
+        virtual_devices=virtual_devices, caller="run_on_workers",
+    )
+
+
+def run_in_subprocess(
+    fn: Callable[..., Any],
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float | None = 300,
+    env: Mapping[str, str | None] | None = None,
+    virtual_devices: int | None = None,
+) -> Any:
+    """Calls `fn(*args, **kwargs)` in one fresh Python process and returns its result.
+
+    Use it when a test needs its own TensorFlow runtime, e.g. four virtual CPU devices for
+    a `MirroredStrategy` test although the test process already initialised TensorFlow.
+    The process has no `TF_CONFIG` (it is removed even if set here), so it runs alone.
+
+    Args:
+        fn: The function to run; it and its arguments must be picklable by cloudpickle.
+        args: Positional arguments.
+        kwargs: Keyword arguments.
+        timeout: Seconds before the process is stopped and `TimeoutError` is raised.
+        env: Extra environment variables (`None` values unset).
+        virtual_devices: Call `keras_dist.virtual_devices(k)` in the process before `fn`.
+
+    Returns:
+        What `fn` returned.
+
+    Raises:
+        WorkerError: `fn` raised (the message contains the traceback) or the process died.
+        TimeoutError: It did not finish within `timeout`.
+
+    Example:
+        >>> def replicas():
+        ...     import keras_dist
+        ...     return keras_dist.strategy().num_replicas_in_sync
+        >>> run_in_subprocess(replicas, virtual_devices=4)
+        4
+    """
+    (value,) = _run_function(
+        fn, args=args, kwargs=kwargs, num_workers=1, timeout=timeout, env=env,
+        virtual_devices=virtual_devices, caller="run_in_subprocess", multi_worker=False,
+    )
+    return value

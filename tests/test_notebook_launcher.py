@@ -1,0 +1,296 @@
+"""`notebook_launcher` and `keras_dist.testing`: functions run on real worker processes."""
+
+import importlib.util
+import json
+import os
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+
+from keras_dist.notebook import WorkerError, notebook_launcher
+from keras_dist.testing import run_in_subprocess, run_on_workers
+
+
+# Module-level functions travel by reference: the workers import this test module.
+def task_index():
+    return json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+
+
+def add(a, b, *, scale=1):
+    return (a + b) * scale
+
+
+def fail_on_worker_one():
+    if task_index() == 1:
+        raise ValueError("boom on the second worker")
+    time.sleep(60)  # stopped by the launcher when worker 1 fails
+
+
+def die_on_worker_one(pid_dir):
+    with open(os.path.join(pid_dir, f"{task_index()}.pid"), "w") as file:
+        file.write(str(os.getpid()))
+    if task_index() == 1:
+        while len(os.listdir(pid_dir)) < 2:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def sleep_forever(pid_dir):
+    with open(os.path.join(pid_dir, f"{os.getpid()}.pid"), "w") as file:
+        file.write(str(os.getpid()))
+    time.sleep(120)
+
+
+def environment_summary():
+    return {name: os.environ.get(name) for name in ("TF_CONFIG", "KD_TEST_EXTRA")}
+
+
+def _assert_gone(pid_dir):
+    pids = [int((pid_dir / name).read_text()) for name in os.listdir(pid_dir)]
+    assert pids
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(60)
+def test_returns_each_workers_result_in_worker_order():
+    assert notebook_launcher(task_index, num_workers=3) == [0, 1, 2]
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(60)
+def test_lambdas_and_closures_travel_by_value():
+    offset = 40
+    results = run_on_workers(lambda: offset + task_index(), num_workers=2)
+    assert results == [40, 41]
+
+    def make_counter(start):
+        def counter():
+            return [start + i for i in range(3)]
+
+        return counter
+
+    assert run_on_workers(make_counter(7), num_workers=2) == [[7, 8, 9], [7, 8, 9]]
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(60)
+def test_args_kwargs_and_env_reach_the_workers():
+    assert notebook_launcher(add, args=(1, 2), kwargs={"scale": 10}) == [30, 30]
+    summaries = run_on_workers(environment_summary, env={"KD_TEST_EXTRA": "on"})
+    assert [s["KD_TEST_EXTRA"] for s in summaries] == ["on", "on"]
+    assert [json.loads(s["TF_CONFIG"])["task"]["index"] for s in summaries] == [0, 1]
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(60)
+def test_output_streams_into_sys_stdout_with_worker_prefixes(capsys):
+    notebook_launcher(lambda: print(f"step done on {task_index()}"), num_workers=2)
+    out = capsys.readouterr().out
+    assert "[worker 0] step done on 0" in out
+    assert "[worker 1] step done on 1" in out
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(60)
+def test_exception_in_a_worker_raises_worker_error_with_its_traceback():
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as raised:
+        notebook_launcher(fail_on_worker_one, num_workers=2)
+    assert time.monotonic() - started < 30  # worker 0 was stopped, not waited for
+    error = raised.value
+    assert isinstance(error, RuntimeError)
+    assert error.worker_index == 1
+    assert "ValueError: boom on the second worker" in error.traceback_text
+    assert "in fail_on_worker_one" in error.traceback_text
+    assert "worker 1" in str(error) and "boom on the second worker" in str(error)
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(60)
+def test_killed_worker_raises_worker_error_and_leaves_nothing(tmp_path):
+    with pytest.raises(WorkerError, match=r"worker 1 .*died without returning a result.*"
+                                          r"SIGKILL \(9\)") as raised:
+        run_on_workers(die_on_worker_one, num_workers=2, args=(str(tmp_path),))
+    assert raised.value.worker_index == 1
+    assert raised.value.returncode == -signal.SIGKILL
+    assert raised.value.traceback_text is None
+    _assert_gone(tmp_path)
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(60)
+def test_timeout_raises_timeout_error_and_stops_the_workers(tmp_path):
+    with pytest.raises(TimeoutError, match="timeout=3 s"):
+        run_on_workers(sleep_forever, num_workers=2, args=(str(tmp_path),), timeout=3)
+    _assert_gone(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_run_in_subprocess_runs_alone_without_tf_config(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["a:1", "b:2"]}}')
+    summary = run_in_subprocess(environment_summary)
+    assert summary["TF_CONFIG"] is None
+    assert run_in_subprocess(add, args=(2, 3), kwargs={"scale": 2}) == 10
+    with pytest.raises(WorkerError, match="ZeroDivisionError") as raised:
+        run_in_subprocess(lambda: 1 / 0)
+    assert raised.value.worker_index == 0
+
+
+@pytest.mark.timeout(60)
+def test_workers_do_not_import_tensorflow_unless_the_function_does():
+    # Keeps every worker's start-up fast; TensorFlow is imported by the user's code.
+    assert run_in_subprocess(lambda: "tensorflow" in sys.modules) is False
+
+
+def test_worker_error_survives_pickling():
+    import pickle
+
+    error = WorkerError("worker 1 failed", worker_index=1, traceback_text="tb", returncode=1)
+    copy = pickle.loads(pickle.dumps(error))
+    assert (str(copy), copy.worker_index, copy.traceback_text, copy.returncode) == (
+        "worker 1 failed", 1, "tb", 1)
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_arguments_and_results_are_reported():
+    import threading
+
+    with pytest.raises(TypeError, match="cannot send .* cloudpickle"):
+        run_in_subprocess(add, args=(threading.Lock(), 1))
+    with pytest.raises(WorkerError, match="cannot be pickled") as raised:
+        run_in_subprocess(lambda: threading.Lock())
+    assert "lock" in raised.value.traceback_text
+
+
+@pytest.mark.timeout(60)
+def test_functions_sent_by_value_keep_their_source():
+    # AutoGraph (tf.function) and tracebacks need the source of notebook-defined code.
+    def documented():
+        raise KeyError("needs its source")
+
+    with pytest.raises(WorkerError) as raised:
+        run_in_subprocess(documented)
+    assert 'raise KeyError("needs its source")' in raised.value.traceback_text
+    source = run_in_subprocess(lambda: __import__("inspect").getsource(documented))
+    assert source.strip().startswith("def documented():")
+
+
+@pytest.mark.timeout(60)
+def test_sys_exit_in_the_function_is_a_failure():
+    with pytest.raises(WorkerError, match=r"sys.exit\(4\)"):
+        run_in_subprocess(lambda: sys.exit(4))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"num_workers": 0}, ValueError, "Argument `num_workers` must be an integer >= 1"),
+        ({"virtual_devices": 0}, ValueError, "Argument `virtual_devices`"),
+        ({"args": 3}, ValueError, "Argument `args`"),
+        ({"timeout": -1}, ValueError, "Argument `timeout`"),
+    ],
+)
+def test_invalid_arguments_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        notebook_launcher(task_index, **kwargs)
+    with pytest.raises(TypeError, match="`fn` must be callable"):
+        notebook_launcher("not a function")
+
+
+def all_reduce_task_numbers():
+    import tensorflow as tf
+
+    # The real engine over the launcher's TF_CONFIG: one gRPC all-reduce on loopback.
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    contribution = float(task_index() + 1)
+
+    @tf.function
+    def step():
+        return tf.distribute.get_replica_context().all_reduce("sum", tf.constant(contribution))
+
+    summed = strategy.experimental_local_results(strategy.run(step))[0]
+    return strategy.num_replicas_in_sync, float(summed)
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(300)
+def test_multi_worker_all_reduce_after_the_caller_imported_tensorflow():
+    import tensorflow as tf  # the parent's runtime is initialised; workers are fresh
+
+    assert float(tf.reduce_sum(tf.constant([1.0]))) == 1.0
+    assert run_on_workers(all_reduce_task_numbers, timeout=240) == [(2, 3.0), (2, 3.0)]
+
+
+def logical_cpu_count():
+    import tensorflow as tf
+
+    return len(tf.config.list_logical_devices("CPU"))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(
+    importlib.util.find_spec("keras_dist.devices") is None,
+    reason="keras_dist.devices is not available",
+)
+def test_virtual_devices_are_set_up_before_the_function_runs():
+    assert run_in_subprocess(logical_cpu_count, virtual_devices=4) == 4
+
+
+NOTEBOOK_CELL = """
+import json, os
+from keras_dist import notebook_launcher
+
+def where_am_i(greeting):
+    # Defined in the kernel's __main__: cloudpickle sends it by value.
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    print(greeting, index)
+    return index
+
+print("RESULT", notebook_launcher(where_am_i, args=("hello from",), num_workers=2))
+"""
+
+NOTEBOOK_FAILING_CELL = """
+import inspect
+from keras_dist import WorkerError
+
+def broken():
+    raise ValueError("raised in a notebook cell")
+
+try:
+    notebook_launcher(broken, num_workers=1)
+except WorkerError as error:
+    print("TRACEBACK", error.traceback_text)
+print("SOURCE", notebook_launcher(lambda: inspect.getsource(where_am_i), num_workers=1)[0])
+"""
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(180)
+def test_notebook_launcher_in_a_real_jupyter_kernel():
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(NOTEBOOK_CELL),
+                      nbformat.v4.new_code_cell(NOTEBOOK_FAILING_CELL)]
+    client = nbclient.NotebookClient(
+        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": repo_root}}
+    )
+    client.execute()
+    first, second = (
+        "".join(output.get("text", "") for output in cell.outputs
+                if output.get("output_type") == "stream")
+        for cell in notebook.cells
+    )
+    assert "[worker 0] hello from 0" in first
+    assert "[worker 1] hello from 1" in first
+    assert "RESULT [0, 1]" in first
+    # The cell's source travelled with the function: tracebacks and inspect see it.
+    assert 'raise ValueError("raised in a notebook cell")' in second
+    assert "SOURCE def where_am_i(greeting):" in second
