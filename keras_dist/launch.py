@@ -24,18 +24,14 @@ import threading
 import time
 from typing import IO, Mapping, Sequence
 
-import psutil
-
+from keras_dist._processes import POLL_INTERVAL as _POLL_INTERVAL
+from keras_dist._processes import stop_workers as _stop_workers
 from keras_dist.cluster import make_tf_config
 
 __all__ = ["LaunchResult", "free_ports", "launch", "launch_script", "TIMEOUT_RETURNCODE"]
 
 TIMEOUT_RETURNCODE = 124  # What GNU `timeout` returns, so shell scripts can tell.
 _TAG = "keras-dist launch"
-_POLL_INTERVAL = 0.05
-# After SIGKILL a process dies at once; this only bounds waiting on an unkillable
-# (uninterruptible-sleep) process so the launcher itself never hangs.
-_KILL_WAIT = 5.0
 _READER_JOIN = 5.0
 
 
@@ -332,84 +328,6 @@ def _pump(pipe, label: str, output: _Output) -> None:
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", errors="replace")
             output.write(label + (line if line.endswith("\n") else line + "\n"))
-
-
-def _stop_workers(workers: list[_Worker], grace_period: float) -> None:
-    """SIGTERM every worker and its descendants, SIGKILL survivors after `grace_period`."""
-    if not workers:
-        return
-    procs = _worker_processes(workers)
-    if procs:
-        _signal_all(workers, procs, signal.SIGTERM)
-    try:
-        _wait_gone(workers, procs, time.monotonic() + grace_period)
-    finally:
-        # Also reached on a second Ctrl+C during the grace period: never leave survivors.
-        survivors = _worker_processes(workers) + [p for p in procs if _alive(p)]
-        if survivors:
-            _signal_all(workers, survivors, signal.SIGKILL)
-            _wait_gone(workers, survivors, time.monotonic() + _KILL_WAIT)
-        for worker in workers:
-            try:
-                worker.process.wait(timeout=_KILL_WAIT)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def _worker_processes(workers: list[_Worker]) -> list[psutil.Process]:
-    """Live workers, their descendants, and members of their process groups."""
-    found: dict[int, psutil.Process] = {}
-    for worker in workers:
-        if worker.process.poll() is not None:
-            continue
-        try:
-            parent = psutil.Process(worker.process.pid)
-            found[parent.pid] = parent
-            # Descendants that left the group (setsid) are only reachable this way.
-            for child in parent.children(recursive=True):
-                found[child.pid] = child
-        except psutil.Error:
-            pass
-    # Children of a worker that already exited were re-parented; its group finds them.
-    groups = {worker.process.pid for worker in workers}
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) in groups:
-                found[proc.pid] = proc
-        except (OSError, psutil.Error):
-            pass
-    found.pop(os.getpid(), None)
-    return [proc for proc in found.values() if _alive(proc)]
-
-
-def _signal_all(workers, procs, signum) -> None:
-    for worker in workers:
-        if worker.process.poll() is None:
-            try:
-                os.killpg(worker.process.pid, signum)
-            except OSError:
-                pass
-    for proc in procs:
-        try:
-            proc.send_signal(signum)  # psutil checks the pid was not reused
-        except psutil.Error:
-            pass
-
-
-def _wait_gone(workers, procs, deadline: float) -> None:
-    while True:
-        for worker in workers:
-            worker.process.poll()  # reap our own children so they stop being zombies
-        if not any(_alive(proc) for proc in procs) or time.monotonic() >= deadline:
-            return
-        time.sleep(_POLL_INTERVAL)
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _describe_exit(index: int, returncode: int) -> str:
