@@ -1,0 +1,394 @@
+"""One data entry point for distributed training: `distribute_dataset`.
+
+`distribute_dataset(source, per_replica_batch_size)` builds each worker's input pipeline
+(shard at the source -> shuffle -> map_fn -> batch -> prefetch) and hands it to the
+strategy, returning what `model.fit`, `evaluate` and `predict` consume on the default
+strategy, `MirroredStrategy` and `MultiWorkerMirroredStrategy`, with the number of steps
+per epoch attached (`steps_per_epoch(data)`).
+
+How the work is split:
+    * Across workers, keras_dist shards at the source, before shuffle and `map_fn`, so
+      each worker reads, holds and preprocesses only its 1/N, and TensorFlow's own
+      auto-sharding is switched off (it would shard again, or print fallback warnings).
+    * Within a worker, the strategy splits a batch across the local devices. On one
+      worker keras_dist batches `per_replica * local replicas` examples and uses
+      `experimental_distribute_dataset` (which splits each batch in order, so one step
+      equals one single-device step on the same global batch, and the dataset's
+      cardinality equals the steps). Under `MultiWorkerMirroredStrategy` it uses
+      `distribute_datasets_from_function`, whose function receives the worker's
+      `InputContext` and batches per replica; this is TensorFlow's path for pipelines
+      that are already sharded per worker.
+
+Uneven data (the policy): every worker runs the same number of steps per epoch, because
+a worker that stops early leaves the others waiting in a collective for ever.
+    * When the global size is known (arrays; datasets of known cardinality), keras_dist
+      computes every worker's shard size, and so the steps, on every worker. With
+      `drop_remainder=False`, a worker whose shard has one batch fewer gets one empty
+      batch at the end (a no-op step), so all report the same cardinality;
+      with `drop_remainder=True`, each worker takes exactly `steps` full batches.
+    * When it is unknown (TFRecord files, filtered datasets, functions), the per-worker
+      cardinality is hidden (made UNKNOWN): Keras then reads until the data runs out,
+      and tf.distribute's multi-worker iterator agrees across workers on when that is,
+      padding the workers that ran out with empty batches.
+    * `drop_remainder=None` means True for multi-worker training with `repeat=True`
+      (every step a full global batch, static shapes) and False otherwise (no example
+      is dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+from keras_dist import _data_sources
+from keras_dist.strategy import resolve_strategy
+
+__all__ = ["distribute_dataset", "steps_per_epoch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    num_workers: int
+    local_replicas: int
+    # MultiWorkerMirrored: per-replica batches through distribute_datasets_from_function.
+    from_function: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    worker_batch: int  # examples per worker per step
+    batch: int  # examples per element of the per-worker dataset
+    batches_per_step: int  # elements of the per-worker dataset one step consumes
+    sizes: tuple | None  # every worker's shard size, when known
+    batches: tuple | None  # every worker's batch count before equalising
+    steps: int | None  # steps per epoch, the same on every worker
+
+    @property
+    def needs_padding(self) -> bool:
+        return self.batches is not None and any(
+            self.steps * self.batches_per_step > count for count in self.batches
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    shuffle: bool
+    seed: int
+    shuffle_buffer: int | None
+    repeat: bool
+    map_fn: object
+    drop_remainder: bool
+    cache: bool
+
+
+def _layout(strategy) -> _Layout:
+    import tensorflow as tf
+
+    replicas = int(strategy.num_replicas_in_sync)
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        local = len(strategy.extended.worker_devices)
+        return _Layout(num_workers=replicas // local, local_replicas=local, from_function=True)
+    return _Layout(num_workers=1, local_replicas=replicas, from_function=False)
+
+
+def _plan(source, layout: _Layout, per_replica: int, drop_remainder: bool) -> _Plan:
+    worker_batch = per_replica * layout.local_replicas
+    if layout.from_function:
+        batch, per_step = per_replica, layout.local_replicas
+    else:
+        batch, per_step = worker_batch, 1
+    sizes = source.shard_sizes(layout.num_workers, worker_batch)
+    if sizes is None:
+        return _Plan(worker_batch, batch, per_step, None, None, None)
+    if drop_remainder:
+        batches = [size // batch for size in sizes]
+        steps = min(count // per_step for count in batches)
+    else:
+        batches = [-(-size // batch) for size in sizes]
+        steps = max(-(-count // per_step) for count in batches)
+    if steps == 0:
+        raise ValueError(
+            f"The source has {sum(sizes)} examples, fewer than one global batch "
+            f"({worker_batch * layout.num_workers} = per_replica_batch_size {per_replica} x "
+            f"{layout.local_replicas * layout.num_workers} replicas), and "
+            "drop_remainder=True would leave no step. Lower `per_replica_batch_size` or "
+            "set drop_remainder=False."
+        )
+    return _Plan(worker_batch, batch, per_step, tuple(sizes), tuple(batches), steps)
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"Argument `{name}` must be True or False. Received: {name}={value!r}")
+    return value
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(
+            f"Argument `{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
+        )
+    return int(value)
+
+
+def _check_no_pending_cluster() -> None:
+    from keras_dist.cluster import ClusterConfig
+
+    cluster = ClusterConfig.from_env()
+    if cluster.is_multi_worker:
+        # Built for one worker, the data would not be sharded and Keras would later
+        # split each of its batches across the workers: a smaller global batch, and
+        # every worker reading everything.
+        raise RuntimeError(
+            f"The cluster ({cluster.source}) has {cluster.num_workers} workers, but no "
+            "MultiWorkerMirroredStrategy exists yet, so distribute_dataset would build "
+            "single-worker input. Call keras_dist.strategy() before distribute_dataset, "
+            "or pass `strategy=` explicitly."
+        )
+
+
+def _empty_batch(element_spec):
+    """A batch with 0 examples and the dataset's structure, or None if not buildable."""
+    import tensorflow as tf
+
+    specs = tf.nest.flatten(element_spec)
+    if not all(type(spec) is tf.TensorSpec and spec.shape.rank for spec in specs):
+        return None
+    return tf.nest.map_structure(
+        lambda spec: tf.zeros([0] + [dim or 0 for dim in spec.shape.as_list()[1:]],
+                              spec.dtype),
+        element_spec,
+    )
+
+
+def _worker_pipeline(source, plan: _Plan, layout: _Layout, worker_index: int,
+                     input_context, settings: _Settings):
+    """This worker's dataset: shard -> [cache] -> shuffle -> map_fn -> batch -> equalise.
+
+    Returns:
+        The dataset and the cardinality of one pass (before `repeat`).
+    """
+    import tensorflow as tf
+
+    map_fn, cache, shuffle = settings.map_fn, settings.cache, settings.shuffle
+    dataset = source.worker_dataset(layout.num_workers, worker_index, plan.worker_batch,
+                                    input_context, shuffle, settings.seed)
+
+    def apply_map(ds):
+        return ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+    if cache:
+        # Cached after map_fn (preprocessing runs once) but before the shuffle: a cache
+        # after it would replay the first epoch's order every epoch.
+        dataset = (apply_map(dataset) if map_fn is not None else dataset).cache()
+    if shuffle:
+        shard_size = plan.sizes[worker_index] if plan.sizes else None
+        buffer = settings.shuffle_buffer or source.default_shuffle_buffer(shard_size)
+        # A fixed seed with reshuffle_each_iteration gives every epoch a new order that
+        # is the same in every run; the worker index in the seed decorrelates shards.
+        seed = _data_sources.derived_seed(settings.seed, worker_index, 0)
+        dataset = dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
+    if map_fn is not None and not cache:
+        dataset = apply_map(dataset)
+    drop_remainder = settings.drop_remainder
+    dataset = dataset.batch(plan.batch, drop_remainder=drop_remainder)
+    hide_cardinality = layout.num_workers > 1 and plan.steps is None
+    if plan.steps is not None:
+        if drop_remainder:
+            dataset = dataset.take(plan.steps * plan.batches_per_step)
+        elif plan.needs_padding:
+            # Decided from the element spec, the same on every worker, so all workers
+            # either pad or hide their cardinality together.
+            empty = _empty_batch(dataset.element_spec)
+            missing = plan.steps * plan.batches_per_step - plan.batches[worker_index]
+            if empty is None:
+                hide_cardinality = True
+            elif missing:
+                dataset = dataset.concatenate(tf.data.Dataset.from_tensors(empty).repeat(missing))
+    pass_cardinality = int(dataset.cardinality())
+    if plan.batches_per_step > 1:
+        # The cardinality counts per-replica batches here, not steps; Keras would run
+        # too many steps.
+        hide_cardinality = True
+    if settings.repeat:
+        dataset = dataset.repeat()
+    elif hide_cardinality:
+        dataset = dataset.filter(lambda *_: True)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.OFF
+    )
+    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options), pass_cardinality
+
+
+def distribute_dataset(
+    source,
+    per_replica_batch_size: int,
+    *,
+    strategy=None,
+    shuffle: bool = True,
+    seed: int = 0,
+    shuffle_buffer: int | None = None,
+    repeat: bool = False,
+    map_fn=None,
+    drop_remainder: bool | None = None,
+    cache: bool = False,
+):
+    """Builds the sharded, shuffled, batched input for distributed `fit`/`evaluate`/`predict`.
+
+    Use it instead of hand-building a `tf.data` pipeline and calling
+    `strategy.experimental_distribute_dataset`: each worker reads only its own shard (by
+    slicing arrays in NumPy, `Dataset.shard`, or by TFRecord file when there are at least
+    as many files as workers, else by record), shuffles it with a seed of its own, runs
+    `map_fn` on it, batches `per_replica_batch_size` per replica and prefetches. Every
+    worker gets the same number of steps per epoch (see the module docstring for the
+    policy), so uneven data never hangs a multi-worker run. Call `keras_dist.strategy()`
+    first; the result belongs to that strategy.
+
+    Order: the shard of each worker is fixed; the order within it is shuffled anew each
+    epoch (the same sequence of orders in every run with the same `seed`). With
+    `shuffle=False`, `predict` returns predictions in the original order on one worker
+    (any number of devices). On several workers with one replica each (CPU or one GPU
+    per worker), arrays are dealt in blocks of one worker batch, so `predict` (which
+    gathers every step in worker order) returns the original order on every worker; a
+    `tf.data.Dataset` source, dealt element by element (`shard`), or workers with
+    several GPUs, give every prediction but grouped per step by worker/replica.
+
+    Args:
+        source: NumPy arrays, or a tuple `(x, y)` / `(x, y, sample_weight)` / dict (nests
+            allowed) of equally long arrays; a `tf.data.Dataset` of unbatched elements;
+            a list of TFRecord file paths or a glob string (elements are the serialized
+            records: parse them in `map_fn`); or a function
+            `input_context -> tf.data.Dataset` returning this worker's unbatched
+            elements (it shards itself, by `input_context.input_pipeline_id` of
+            `input_context.num_input_pipelines`).
+        per_replica_batch_size: Examples per replica per step. The global batch is this
+            times `strategy.num_replicas_in_sync` (see `keras_dist.global_batch_size`).
+        strategy: The strategy; default: the active one, else the one
+            `keras_dist.strategy()` created, else TensorFlow's default.
+        shuffle: Shuffle each worker's shard, anew each epoch.
+        seed: Integer >= 0; with the worker index it seeds the shuffles.
+        shuffle_buffer: Elements in the shuffle buffer. Default: arrays, the whole shard
+            (up to 1 GiB of it); other sources, 10,000 (or the shard size if smaller).
+        repeat: Repeat for ever; then pass `steps_per_epoch=data.steps_per_epoch` (and
+            `validation_steps`) to `fit`. Each epoch is one pass over the data.
+        map_fn: Per-element preprocessing, called like `tf.data.Dataset.map` (tuple
+            elements are unpacked into arguments); runs on this worker's shard only.
+        drop_remainder: Drop the last partial global batch. Default (None): True for
+            multi-worker training with `repeat=True`, False otherwise.
+        cache: Cache each worker's shard in memory after `map_fn` (before the shuffle).
+
+    Returns:
+        What Keras consumes: on TensorFlow's default strategy a `tf.data.Dataset`,
+        otherwise a `tf.distribute.DistributedDataset` (iterating it yields this
+        worker's batches, per replica). Its attribute `steps_per_epoch` is the number of
+        steps of one epoch (the same on every worker), or None when the size is unknown
+        (files, functions). Keras' `class_weight` does not apply to it; put sample
+        weights in the source.
+
+    Raises:
+        ValueError: `per_replica_batch_size` or `seed` is not an integer >= 1 / >= 0,
+            `shuffle_buffer` < 1, arrays have different lengths or none, a tuple/dict is
+            empty, a glob matches nothing or a file is missing, or `drop_remainder=True`
+            leaves no step.
+        TypeError: `source` has an unsupported type, `map_fn` is not callable, or a flag
+            is not a bool.
+        RuntimeError: `strategy` is None and the environment describes several workers,
+            but `keras_dist.strategy()` has not created the multi-worker strategy yet.
+
+    Example:
+        >>> import keras, keras_dist, numpy as np
+        >>> strategy = keras_dist.strategy()
+        >>> x, y = np.random.rand(1000, 8), np.random.rand(1000, 1)
+        >>> data = keras_dist.distribute_dataset((x, y), per_replica_batch_size=32)
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(data, epochs=2, verbose=0)
+    """
+    per_replica_batch_size = _check_int("per_replica_batch_size", per_replica_batch_size, 1)
+    seed = _check_int("seed", seed, 0)
+    if shuffle_buffer is not None:
+        shuffle_buffer = _check_int("shuffle_buffer", shuffle_buffer, 1)
+    for name, value in (("shuffle", shuffle), ("repeat", repeat), ("cache", cache)):
+        _check_bool(name, value)
+    if drop_remainder is not None:
+        _check_bool("drop_remainder", drop_remainder)
+    if map_fn is not None and not callable(map_fn):
+        raise TypeError(
+            "Argument `map_fn` must be a function applied to each element, or None. "
+            f"Received: map_fn={map_fn!r}"
+        )
+    source = _data_sources.make_source(source)
+    import tensorflow as tf
+
+    explicit_strategy = strategy is not None
+    strategy = resolve_strategy(strategy)
+    layout = _layout(strategy)
+    if not explicit_strategy and not layout.from_function:
+        _check_no_pending_cluster()
+    if drop_remainder is None:
+        drop_remainder = repeat and layout.num_workers > 1
+    plan = _plan(source, layout, per_replica_batch_size, drop_remainder)
+    settings = _Settings(shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer,
+                         repeat=repeat, map_fn=map_fn, drop_remainder=drop_remainder,
+                         cache=cache)
+    if layout.from_function:
+        def dataset_fn(input_context):
+            if input_context.num_input_pipelines != layout.num_workers:
+                raise RuntimeError(
+                    f"tf.distribute reports {input_context.num_input_pipelines} input "
+                    f"pipelines but keras_dist counted {layout.num_workers} workers."
+                )
+            dataset, _ = _worker_pipeline(source, plan, layout,
+                                          input_context.input_pipeline_id, input_context,
+                                          settings)
+            return dataset
+
+        data = strategy.distribute_datasets_from_function(dataset_fn)
+        pass_cardinality = None
+    else:
+        input_context = tf.distribute.InputContext(
+            num_input_pipelines=1, input_pipeline_id=0,
+            num_replicas_in_sync=strategy.num_replicas_in_sync,
+        )
+        dataset, pass_cardinality = _worker_pipeline(source, plan, layout, 0, input_context,
+                                                     settings)
+        data = strategy.experimental_distribute_dataset(dataset)
+    steps = plan.steps
+    if steps is None and pass_cardinality is not None and pass_cardinality >= 0:
+        # One worker: one pass's cardinality is the steps, when tf.data knows it.
+        steps = pass_cardinality
+    data.steps_per_epoch = steps
+    return data
+
+
+def steps_per_epoch(dataset) -> int | None:
+    """The steps of one epoch of `dataset`, the same on every worker.
+
+    Use it to pass `steps_per_epoch=` to `fit` for a dataset made with `repeat=True`.
+
+    Args:
+        dataset: What `distribute_dataset` returned, or any `tf.data.Dataset` of batches.
+
+    Returns:
+        The number of steps, or None when it is unknown (or the dataset is infinite).
+
+    Raises:
+        TypeError: `dataset` is neither a keras_dist dataset nor a `tf.data.Dataset`.
+
+    Example:
+        >>> data = keras_dist.distribute_dataset((x, y), 32, repeat=True)
+        >>> model.fit(data, epochs=3, steps_per_epoch=keras_dist.steps_per_epoch(data))
+    """
+    if hasattr(dataset, "steps_per_epoch"):
+        return dataset.steps_per_epoch
+    import tensorflow as tf
+
+    if isinstance(dataset, tf.data.Dataset):
+        cardinality = int(dataset.cardinality())
+        return cardinality if cardinality >= 0 else None
+    raise TypeError(
+        "Argument `dataset` must come from keras_dist.distribute_dataset or be a "
+        f"tf.data.Dataset. Received: {type(dataset).__name__}"
+    )
