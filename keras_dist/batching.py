@@ -68,10 +68,10 @@ def per_replica_batch_size(global_batch: int, strategy=None) -> int:
     if global_batch % replicas:
         lower = (global_batch // replicas) * replicas
         upper = lower + replicas
+        nearest = f"{lower} or {upper}" if lower else f"{upper}"
         raise ValueError(
             f"Argument `global_batch` ({global_batch}) must be divisible by the number of "
-            f"replicas in sync ({replicas}). Use a multiple of {replicas}, e.g. "
-            f"{lower or upper} or {upper}."
+            f"replicas in sync ({replicas}). Use a multiple of {replicas}, e.g. {nearest}."
         )
     return global_batch // replicas
 

@@ -59,10 +59,11 @@ def _four_replica_arithmetic():
 
     strategy = keras_dist.strategy()
     errors = {}
-    try:
-        keras_dist.per_replica_batch_size(30)
-    except ValueError as error:
-        errors["not_divisible"] = str(error)
+    for label, global_batch in (("not_divisible", 30), ("below_replicas", 2)):
+        try:
+            keras_dist.per_replica_batch_size(global_batch)
+        except ValueError as error:
+            errors[label] = str(error)
     one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
     with one_device.scope():
         in_scope = keras_dist.global_batch_size(8)
@@ -93,3 +94,4 @@ def test_four_replicas():
     assert result["explicit_strategy"] == 8 and result["active_scope"] == 8
     message = result["errors"]["not_divisible"]
     assert "30" in message and "4" in message and "28" in message and "32" in message
+    assert result["errors"]["below_replicas"].endswith("e.g. 4.")
