@@ -183,6 +183,11 @@ class ClusterConfig:
         """All training addresses in rank order (chief first)."""
         return tuple(self.cluster.get("chief", ())) + tuple(self.cluster.get("worker", ()))
 
+    def __hash__(self) -> int:
+        # The mapping proxy is not hashable; its (sorted) items are.
+        return hash((tuple(sorted(self.cluster.items())), self.task_type, self.task_index,
+                     self.rpc_layer, self.source))
+
     def to_tf_config(self) -> str:
         """Serialises back to a TF_CONFIG JSON string (`"{}"` for a lone process)."""
         if self.task_type is None:
