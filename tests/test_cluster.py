@@ -350,3 +350,12 @@ def test_module_helpers_read_the_environment(monkeypatch):
     for name in [name for name in os.environ if name.startswith("SLURM_")]:
         monkeypatch.delenv(name)
     assert (cluster.num_workers(), cluster.worker_index(), cluster.is_chief()) == (1, 0, True)
+
+
+def test_cluster_config_is_hashable_and_equal_after_round_trip():
+    config = ClusterConfig.from_tf_config(
+        {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
+         "task": {"type": "worker", "index": 1}})
+    again = ClusterConfig.from_tf_config(config.to_tf_config())
+    assert config == again and hash(config) == hash(again)
+    assert len({config, again}) == 1
