@@ -18,6 +18,16 @@ Fixes:
         axis 0 does not exist on a scalar. keras_dist reduces scalars with `axis=None`
         (the mean over all replicas on all workers), so every worker logs the same,
         global value.
+    loss_scale_finite_across_replicas: keras-team/keras#18691 (where the TF path of
+        `LossScaleOptimizer` was written). `LossScaleOptimizer._tf_apply` decides whether
+        to apply a step from `check_finite` of the first replica's gradients, assuming
+        they were already all-reduced ("Each replica computed the same `finite`
+        value"), but in Keras 3 the all-reduce happens later, inside the inner
+        optimizer. An inf/NaN gradient on any other replica is then summed into the
+        update on every replica and the loss scale is not lowered. keras_dist makes
+        `check_finite` all-reduce a non-finite flag in replica context, so every
+        replica on every worker sees the same, global answer: the step is skipped
+        everywhere and the scale is halved (one scalar all-reduce per step).
 """
 
 from __future__ import annotations
@@ -136,9 +146,55 @@ def _apply_reduce_per_replica_fix() -> None:
     trainer.reduce_per_replica = reduce_per_replica
 
 
+# -- keras-team/keras#18691: LossScaleOptimizer checks only replica 0's gradients -------
+def _loss_scale_optimizer_class():
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return None
+    return keras.optimizers.LossScaleOptimizer
+
+
+def _has_loss_scale_finite_bug() -> bool:
+    # `_tf_apply` (Keras 3.0 onwards) takes `finite` from the first replica's local
+    # gradients; still so in 3.15.1, the newest release when this was written.
+    lso = _loss_scale_optimizer_class()
+    return (
+        lso is not None
+        and (3, 0, 0) <= keras_version() < (3, 16, 0)
+        and hasattr(lso, "_tf_apply")
+        and hasattr(lso, "check_finite")
+    )
+
+
+def _apply_loss_scale_finite_fix() -> None:
+    lso = _loss_scale_optimizer_class()
+    original = lso.check_finite
+
+    @functools.wraps(original)
+    def check_finite(self, grads):
+        import tensorflow as tf
+
+        finite = original(self, grads)
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return finite
+        # ReduceOp has no MIN/MAX: count the replicas that saw a non-finite gradient.
+        non_finite = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32)
+        )
+        return tf.equal(non_finite, 0.0)
+
+    check_finite._keras_dist_fix = "loss_scale_finite_across_replicas"
+    lso.check_finite = check_finite
+
+
 _FIXES = {
     "symbolic_build_multi_worker": (_has_symbolic_build_bug, _apply_symbolic_build_fix),
     "reduce_per_replica_scalar": (_has_reduce_per_replica_bug, _apply_reduce_per_replica_fix),
+    "loss_scale_finite_across_replicas": (
+        _has_loss_scale_finite_bug, _apply_loss_scale_finite_fix
+    ),
 }
 
 

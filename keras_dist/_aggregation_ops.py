@@ -1,0 +1,152 @@
+"""Pure gradient transformations used by `keras_dist.aggregation`.
+
+Plain functions on lists of gradients (`tf.Tensor`, `tf.IndexedSlices` or `None`), with no
+state and no knowledge of strategies or optimizers, so each can be tested on its own:
+global norm, clipping by a given global norm, cast-based compression and its inverse,
+grouping by dtype, and a finiteness check.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+COMPRESSIONS = {None: None, "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _tf():
+    import tensorflow as tf
+
+    return tf
+
+
+def _deduplicated(slices):
+    """Sums the rows of an `IndexedSlices` that share an index (all-reduces concatenate)."""
+    tf = _tf()
+    unique_indices, positions = tf.unique(slices.indices)
+    values = tf.math.unsorted_segment_sum(
+        slices.values, positions, tf.shape(unique_indices)[0]
+    )
+    return values
+
+
+def global_norm(grads: Sequence) -> "tf.Tensor":
+    """The L2 norm of all gradients together, in float32 (`None` entries are skipped).
+
+    Same formula as Keras' `global_clipnorm` (`sqrt(sum(sum(g**2)))`), so clipping with it
+    matches single-device Keras. Rows of an `IndexedSlices` that share an index are
+    summed first, which is what the dense gradient would hold.
+    """
+    tf = _tf()
+    squares = []
+    for grad in grads:
+        if grad is None:
+            continue
+        values = _deduplicated(grad) if isinstance(grad, tf.IndexedSlices) else grad
+        squares.append(tf.reduce_sum(tf.square(tf.cast(values, tf.float32))))
+    if not squares:
+        return tf.constant(0.0, tf.float32)
+    return tf.sqrt(tf.add_n(squares))
+
+
+def clip_by_global_norm(grads: Sequence, clipnorm: float, norm) -> list:
+    """Scales all gradients by `min(1, clipnorm / norm)`; `norm` is their global norm.
+
+    Keras' formula, including its handling of a non-finite norm: the scale becomes NaN so
+    the step visibly fails instead of silently applying a huge update.
+    """
+    tf = _tf()
+    clipnorm = tf.constant(clipnorm, tf.float32)
+    scale = clipnorm * tf.minimum(1.0 / norm, 1.0 / clipnorm) + (norm - norm)
+    return [_scaled(grad, scale) for grad in grads]
+
+
+def _scaled(grad, scale):
+    tf = _tf()
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            grad.values * tf.cast(scale, grad.values.dtype), grad.indices, grad.dense_shape
+        )
+    return grad * tf.cast(scale, grad.dtype)
+
+
+def scale(grads: Sequence, factor) -> list:
+    """Multiplies every gradient by `factor` (cast to each gradient's dtype)."""
+    return [_scaled(grad, factor) for grad in grads]
+
+
+def _cast(grad, dtype):
+    tf = _tf()
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(grad.values, dtype), grad.indices, grad.dense_shape)
+    return tf.cast(grad, dtype)
+
+
+def _dtype(grad):
+    tf = _tf()
+    return grad.values.dtype if isinstance(grad, tf.IndexedSlices) else grad.dtype
+
+
+def compress(grads: Sequence, compression: str | None) -> list:
+    """Casts floating-point gradients wider than the target to bf16/fp16; others unchanged.
+
+    `compression=None` is the identity. Gradients already as narrow as the target (e.g.
+    float16 gradients with "bf16") are left alone rather than widened or re-rounded.
+    """
+    tf = _tf()
+    target = COMPRESSIONS[compression]
+    if target is None:
+        return list(grads)
+    target = tf.as_dtype(target)
+    out = []
+    for grad in grads:
+        if grad is None:
+            out.append(None)
+            continue
+        dtype = _dtype(grad)
+        wider = dtype.is_floating and dtype.size > target.size
+        out.append(_cast(grad, target) if wider else grad)
+    return out
+
+
+def decompress(grads: Sequence, dtypes: Sequence) -> list:
+    """Casts each gradient back to its original dtype (the inverse of `compress`)."""
+    return [
+        None if grad is None else (grad if _dtype(grad) == dtype else _cast(grad, dtype))
+        for grad, dtype in zip(grads, dtypes)
+    ]
+
+
+def dtypes_of(grads: Sequence) -> list:
+    """The dtype of each gradient (`None` for a missing gradient)."""
+    return [None if grad is None else _dtype(grad) for grad in grads]
+
+
+def group_by_dtype(grads: Sequence) -> dict:
+    """Positions of the non-`None` gradients, grouped by dtype in first-seen order.
+
+    All-reduce implementations pack tensors into buffers of one dtype; handing them one
+    group at a time lets `bytes_per_pack` work and keeps a mixed list legal.
+    """
+    groups: dict = {}
+    for position, grad in enumerate(grads):
+        if grad is not None:
+            groups.setdefault(_dtype(grad), []).append(position)
+    return groups
+
+
+def all_finite(grads: Sequence) -> "tf.Tensor":
+    """A scalar bool tensor: True when no gradient holds inf or NaN."""
+    tf = _tf()
+    checks = []
+    for grad in grads:
+        if grad is None:
+            continue
+        values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+        checks.append(tf.reduce_all(tf.math.is_finite(values)))
+    if not checks:
+        return tf.constant(True)
+    return tf.reduce_all(tf.stack(checks))
