@@ -1,0 +1,35 @@
+"""`keras-dist demo`: real training on 2 launched workers with the embedded digits data."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(300)
+def test_demo_trains_on_two_workers_and_reports_from_the_chief_only():
+    completed = subprocess.run(
+        [sys.executable, "-m", "keras_dist", "demo", "--workers", "2", "--epochs", "4"],
+        capture_output=True, text=True, timeout=280,
+    )
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-3000:]
+    epochs = re.findall(r"\[worker (\d)\] epoch (\d)/4: loss=([\d.]+) accuracy=([\d.]+)", output)
+    assert [int(e[1]) for e in epochs] == [1, 2, 3, 4]
+    assert {e[0] for e in epochs} == {"0"}, "per-epoch lines come from the chief only"
+    losses = [float(e[2]) for e in epochs]
+    assert losses[-1] < losses[0]
+    final = re.search(r"demo: test accuracy ([\d.]+).*\| 2 worker\(s\), 2 replica\(s\)", output)
+    assert final, output[-3000:]
+    assert float(final.group(1)) > 0.85
+
+
+def test_demo_rejects_bad_arguments():
+    completed = subprocess.run(
+        [sys.executable, "-m", "keras_dist", "demo", "--workers", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert completed.returncode == 2
+    assert "--workers must be >= 1" in completed.stderr
