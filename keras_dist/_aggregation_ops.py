@@ -1,14 +1,19 @@
-"""Pure gradient transformations used by `keras_dist.aggregation`.
+"""Private building blocks of `keras_dist.aggregation`.
 
-Plain functions on lists of gradients (`tf.Tensor`, `tf.IndexedSlices` or `None`), with no
-state and no knowledge of strategies or optimizers, so each can be tested on its own:
-global norm, clipping by a given global norm, cast-based compression and its inverse,
-grouping by dtype, and a finiteness check.
+Mostly pure functions on lists of gradients (`tf.Tensor`, `tf.IndexedSlices` or `None`),
+with no state and no knowledge of strategies or optimizers, so each can be tested on its
+own: global norm, clipping by a given global norm, cast-based compression and its
+inverse, grouping by dtype, a finiteness check. At the end, the two tf.distribute pieces
+the pipeline is built from: a per-replica variable and a replica-context `cond` whose
+branches may all-reduce.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 COMPRESSIONS = {None: None, "bf16": "bfloat16", "fp16": "float16"}
 
@@ -150,3 +155,45 @@ def all_finite(grads: Sequence) -> "tf.Tensor":
     if not checks:
         return tf.constant(True)
     return tf.reduce_all(tf.stack(checks))
+
+
+# -- tf.distribute building blocks ---------------------------------------------------
+def local_variable(value, dtype, name):
+    """A per-replica variable whose cross-replica read is replica 0's copy (no traffic).
+
+    Every replica writes the same value into it (computed from aggregated gradients), so
+    replica 0's copy is the global value on every worker.
+    """
+    import tensorflow as tf
+
+    return tf.Variable(
+        value, dtype=dtype, trainable=False, name=f"keras_dist_{name}",
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+def replica_cond(pred, true_fn, false_fn, args=()):
+    """`tf.cond` from replica context whose branches may all-reduce and update.
+
+    `pred` must be the same on every replica. Under strategies that use `merge_call`
+    (Mirrored, MultiWorkerMirrored outside XLA) the cond runs in cross-replica context
+    and each branch re-enters the replicas with `call_for_each_replica`: a `merge_call`
+    inside a replica-context cond is what keras-team/keras#20582 trips over.
+    """
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    if context is None or tf.__internal__.distribute.strategy_supports_no_merge_call():
+        tf.cond(pred, lambda: true_fn(*args), lambda: false_fn(*args))
+        return
+
+    def in_cross_replica(distribution, pred, args):
+        local_pred = distribution.experimental_local_results(pred)[0]
+
+        def branch(fn):
+            return lambda: distribution.extended.call_for_each_replica(fn, args=args)
+
+        tf.cond(local_pred, branch(true_fn), branch(false_fn))
+
+    context.merge_call(in_cross_replica, args=(pred, tuple(args)))

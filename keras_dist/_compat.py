@@ -1,9 +1,10 @@
 """Version-gated fixes for upstream Keras/TensorFlow bugs. The only place they live.
 
 Each fix names its upstream issue, applies only to the versions that have the bug, is
-applied once (by `keras_dist.strategy()`), and has a test in `tests/test_compat.py` that
-fails without it. Set `KERAS_DIST_DISABLE_COMPAT=name[,name]` (or `all`) to turn fixes
-off, e.g. to check whether an upstream release fixed a bug.
+applied once (by `keras_dist.strategy()` or `keras_dist.aggregation.install()`), and has
+a test that fails without it (`tests/test_compat.py`; the loss-scale fix:
+`tests/test_compat_loss_scale.py`). Set `KERAS_DIST_DISABLE_COMPAT=name[,name]` (or
+`all`) to turn fixes off, e.g. to check whether an upstream release fixed a bug.
 
 Fixes:
     symbolic_build_multi_worker: keras-team/keras#20585, tensorflow/tensorflow#72388.

@@ -189,47 +189,6 @@ def _check_can_install(owner, config: AggregationConfig) -> None:
             )
 
 
-def _local_variable(value, dtype, name):
-    """A per-replica variable whose cross-replica read is replica 0's copy (no traffic).
-
-    Every replica writes the same value into it (computed from aggregated gradients), so
-    replica 0's copy is the global value on every worker.
-    """
-    import tensorflow as tf
-
-    return tf.Variable(
-        value, dtype=dtype, trainable=False, name=f"keras_dist_{name}",
-        synchronization=tf.VariableSynchronization.ON_READ,
-        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-    )
-
-
-def _replica_cond(pred, true_fn, false_fn, args=()):
-    """`tf.cond` from replica context whose branches may all-reduce and update.
-
-    `pred` must be the same on every replica. Under strategies that use `merge_call`
-    (Mirrored, MultiWorkerMirrored outside XLA) the cond runs in cross-replica context
-    and each branch re-enters the replicas with `call_for_each_replica`: a `merge_call`
-    inside a replica-context cond is what keras-team/keras#20582 trips over.
-    """
-    import tensorflow as tf
-
-    context = tf.distribute.get_replica_context()
-    if context is None or tf.__internal__.distribute.strategy_supports_no_merge_call():
-        tf.cond(pred, lambda: true_fn(*args), lambda: false_fn(*args))
-        return
-
-    def in_cross_replica(distribution, pred, args):
-        local_pred = distribution.experimental_local_results(pred)[0]
-
-        def branch(fn):
-            return lambda: distribution.extended.call_for_each_replica(fn, args=args)
-
-        tf.cond(local_pred, branch(true_fn), branch(false_fn))
-
-    context.merge_call(in_cross_replica, args=(pred, tuple(args)))
-
-
 def _identity_all_reduce(grads_and_vars):
     # Installed as `_all_reduce_sum_gradients`: what reaches it is already aggregated.
     return list(grads_and_vars)
@@ -255,12 +214,12 @@ class GradientAggregator:
             config.implementation, config.bytes_per_pack, config.timeout_seconds
         )
         with strategy.scope():
-            self._gradient_norm = _local_variable(0.0, tf.float32, "gradient_norm")
-            self._norm_sum = _local_variable(0.0, tf.float32, "gradient_norm_sum")
-            self._norm_count = _local_variable(0, tf.int64, "gradient_norm_count")
-            self._all_reduce_count = _local_variable(0, tf.int64, "all_reduce_count")
-            self._fallback_count = _local_variable(0, tf.int64, "fallback_count")
-            self._micro_steps = _local_variable(0, tf.int64, "micro_steps")
+            self._gradient_norm = gops.local_variable(0.0, tf.float32, "gradient_norm")
+            self._norm_sum = gops.local_variable(0.0, tf.float32, "gradient_norm_sum")
+            self._norm_count = gops.local_variable(0, tf.int64, "gradient_norm_count")
+            self._all_reduce_count = gops.local_variable(0, tf.int64, "all_reduce_count")
+            self._fallback_count = gops.local_variable(0, tf.int64, "fallback_count")
+            self._micro_steps = gops.local_variable(0, tf.int64, "micro_steps")
             self._accumulators = self._make_accumulators(optimizer, config)
         self._original_apply = None
 
@@ -365,7 +324,7 @@ class GradientAggregator:
                 accumulator.assign(tf.zeros_like(accumulator))
             self._reduce_and_apply(averaged, trainable_variables)
 
-        _replica_cond(is_update, update, lambda: None)
+        gops.replica_cond(is_update, update, lambda: None)
 
     def _reduce_and_apply(self, grads, trainable_variables):
         import tensorflow as tf
@@ -388,7 +347,7 @@ class GradientAggregator:
             self._finish(self._all_reduce(grads), trainable_variables)
 
         # The fp16 sum is identical on every replica, so they all take the same branch.
-        _replica_cond(gops.all_finite(reduced), use_fp16_sum, redo_in_original_dtype,
+        gops.replica_cond(gops.all_finite(reduced), use_fp16_sum, redo_in_original_dtype,
                       args=(reduced, grads))
 
     def _all_reduce(self, grads):

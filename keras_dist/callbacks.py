@@ -222,15 +222,17 @@ class ReplicaSyncCheck(keras.callbacks.Callback):
             if self.include_optimizer and self.model.optimizer is not None:
                 variables += list(self.model.optimizer.variables)
             self._checksums = _Checksums(strategy, variables)
-        divergent = self._checksums.first_divergence()
-        if divergent is not None:
-            name, replicas = divergent
+        divergent = self._checksums.divergent()
+        if divergent:
+            (name, replicas), others = divergent[0], [n for n, _ in divergent[1:]]
+            also = f" Also differ: {others[:5]}{' ...' if len(others) > 5 else ''}." if (
+                others) else ""
             raise ReplicaDivergenceError(
                 f"Variable {name!r} differs across replicas {where}: replica(s) "
                 f"{replicas} hold values other than replica 0's (of "
-                f"{strategy.num_replicas_in_sync} replicas in sync). Every update must be "
-                "computed from aggregated values; look for a layer or callback that "
-                "assigns this variable from replica-local data, or for a worker that "
+                f"{strategy.num_replicas_in_sync} replicas in sync).{also} Every update "
+                "must be computed from aggregated values; look for a layer or callback "
+                "that assigns a variable from replica-local data, or for a worker that "
                 "restored a different checkpoint."
             )
 
@@ -275,15 +277,14 @@ class _Checksums:
 
         self._gathered = gathered
 
-    def first_divergence(self):
-        """(variable name, differing replica ids) of the first divergent one, or None."""
+    def divergent(self):
+        """[(variable name, ids of replicas differing from replica 0)], in order."""
         table = self._gathered().numpy()  # [replicas, variables]
         differs = (table != table[:1]).any(axis=0)
-        if not differs.any():
-            return None
-        column = int(differs.argmax())
-        replicas = [int(r) for r in (table[:, column] != table[0, column]).nonzero()[0]]
-        return self.names[column], replicas
+        return [
+            (self.names[column], (table[:, column] != table[0, column]).nonzero()[0].tolist())
+            for column in differs.nonzero()[0]
+        ]
 
 
 class LearningRateWarmup(keras.callbacks.Callback):
