@@ -14,6 +14,8 @@ import time
 import keras
 
 from keras_dist import aggregation
+from keras_dist._callback_base import Callback
+from keras_dist._replica_sync import ReplicaDivergenceError, ReplicaSyncCheck
 from keras_dist.cluster import is_chief
 
 __all__ = [
@@ -27,6 +29,15 @@ __all__ = [
 
 
 def _optimizer_of(model, caller):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"{caller} hooks the gradient all-reduce of Keras 3 optimizers, but the model "
+            f"is a {type(model).__module__}.{type(model).__name__} (legacy Keras 2 / "
+            "tf_keras, TF_USE_LEGACY_KERAS=1). tf_keras all-reduces inside its own "
+            "optimizer and keras_dist cannot hook it: drop this callback under tf_keras "
+            "(clip with the optimizer's global_clipnorm, which tf_keras applies after "
+            "its all-reduce), or move the model to Keras 3."
+        )
     if getattr(model, "optimizer", None) is None:
         raise ValueError(
             f"{caller} needs a compiled model with an optimizer. Call "
@@ -65,7 +76,7 @@ def _positive_number(value, name):
         raise ValueError(f"Argument `{name}` must be a number > 0. Received: {name}={value!r}")
 
 
-class GradientAggregation(keras.callbacks.Callback):
+class GradientAggregation(Callback):
     """Aggregates gradients correctly across replicas and workers during `fit`.
 
     Use it instead of the optimizer's `global_clipnorm` / `gradient_accumulation_steps`
@@ -115,7 +126,7 @@ class GradientAggregation(keras.callbacks.Callback):
         self.aggregator = _install(self.model, self.config, "GradientAggregation")
 
 
-class GradientNormLogger(keras.callbacks.Callback):
+class GradientNormLogger(Callback):
     """Adds `gradient_norm` (global norm of the aggregated gradient) to the logs.
 
     The epoch value is the mean over the epoch's updates; with `update_freq="batch"`
@@ -164,130 +175,7 @@ class GradientNormLogger(keras.callbacks.Callback):
         logs["gradient_norm"] = aggregator.gradient_norm if mean is None else mean
 
 
-class ReplicaDivergenceError(RuntimeError):
-    """Raised by `ReplicaSyncCheck` when replicas or workers hold different weights."""
-
-
-class ReplicaSyncCheck(keras.callbacks.Callback):
-    """Checks that every replica on every worker holds bit-identical weights.
-
-    Synchronous data parallelism keeps all copies of the model identical; a custom
-    layer that updates a variable from local data, a non-deterministic op feeding an
-    assignment, or a worker restored from a different checkpoint breaks that silently.
-    Every `every_n_batches` batches this computes one bitwise checksum per variable on
-    each replica, gathers them (one small all-gather) and raises
-    `ReplicaDivergenceError` naming the first variable that differs. Model weights and
-    the optimizer's variables are checked; per-replica (`ON_READ`) variables such as
-    metrics are skipped. All workers must use it with the same settings.
-
-    Args:
-        every_n_batches: How often to check (>= 1).
-        include_optimizer: Also check the optimizer's variables (momentum, iterations).
-
-    Raises:
-        ReplicaDivergenceError: During `fit`, when copies differ.
-
-    Example:
-        >>> check = keras_dist.callbacks.ReplicaSyncCheck(every_n_batches=100)
-        >>> model.fit(dataset, callbacks=[check])                # doctest: +SKIP
-    """
-
-    def __init__(self, every_n_batches=100, include_optimizer=True):
-        super().__init__()
-        _positive_int(every_n_batches, "every_n_batches")
-        self.every_n_batches = every_n_batches
-        self.include_optimizer = include_optimizer
-        self._batches_seen = 0
-        self._epoch = 0
-        self._checksums = None
-
-    def on_train_begin(self, logs=None):
-        self._checksums = None  # variables may have changed since the last fit
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._batches_seen += 1
-        if self._batches_seen % self.every_n_batches == 0:
-            self.check(where=f"after batch {batch} of epoch {self._epoch}")
-
-    def check(self, where="now"):
-        """Runs the check once (collective: call it on every worker)."""
-        strategy = self.model.distribute_strategy
-        if strategy.num_replicas_in_sync == 1:
-            return
-        if self._checksums is None:
-            variables = list(self.model.weights)
-            if self.include_optimizer and self.model.optimizer is not None:
-                variables += list(self.model.optimizer.variables)
-            self._checksums = _Checksums(strategy, variables)
-        divergent = self._checksums.divergent()
-        if divergent:
-            (name, replicas), others = divergent[0], [n for n, _ in divergent[1:]]
-            also = f" Also differ: {others[:5]}{' ...' if len(others) > 5 else ''}." if (
-                others) else ""
-            raise ReplicaDivergenceError(
-                f"Variable {name!r} differs across replicas {where}: replica(s) "
-                f"{replicas} hold values other than replica 0's (of "
-                f"{strategy.num_replicas_in_sync} replicas in sync).{also} Every update "
-                "must be computed from aggregated values; look for a layer or callback "
-                "that assigns a variable from replica-local data, or for a worker that "
-                "restored a different checkpoint."
-            )
-
-
-def _bitwise_checksum(value):
-    """An int64 checksum of a tensor's bits; equal values give equal checksums."""
-    import tensorflow as tf
-
-    dtype = value.dtype
-    if dtype.is_floating:
-        value = tf.bitcast(value, {2: tf.int16, 4: tf.int32, 8: tf.int64}[dtype.size])
-    flat = tf.reshape(tf.cast(value, tf.int64), [-1])
-    # Position weights make a swap of two elements change the sum; int64 wraps.
-    weights = tf.range(1, tf.size(flat, out_type=tf.int64) + 1, dtype=tf.int64)
-    return tf.reduce_sum(flat * weights)
-
-
-class _Checksums:
-    """One checksum per variable on every replica, gathered to every worker."""
-
-    def __init__(self, strategy, variables):
-        import tensorflow as tf
-
-        self.names, tf_variables, seen = [], [], set()
-        for variable in variables:
-            tf_variable = variable.value if isinstance(variable, keras.Variable) else variable
-            on_read = tf.VariableSynchronization.ON_READ
-            if id(tf_variable) in seen or getattr(tf_variable, "synchronization", None) == on_read:
-                continue  # ON_READ variables (metrics) are per-replica by design
-            seen.add(id(tf_variable))
-            tf_variables.append(tf_variable)
-            self.names.append(getattr(variable, "path", None) or variable.name)
-
-        def local_checksums():
-            # In replica context a mirrored variable reads as this replica's copy.
-            return tf.stack([_bitwise_checksum(tf.convert_to_tensor(v))
-                             for v in tf_variables])[tf.newaxis]
-
-        @tf.function
-        def gathered():
-            return strategy.gather(strategy.run(local_checksums), axis=0)
-
-        self._gathered = gathered
-
-    def divergent(self):
-        """[(variable name, ids of replicas differing from replica 0)], in order."""
-        table = self._gathered().numpy()  # [replicas, variables]
-        differs = (table != table[:1]).any(axis=0)
-        return [
-            (self.names[column], (table[:, column] != table[0, column]).nonzero()[0].tolist())
-            for column in differs.nonzero()[0]
-        ]
-
-
-class LearningRateWarmup(keras.callbacks.Callback):
+class LearningRateWarmup(Callback):
     """Warms the learning rate up linearly to `target_lr` over the first updates.
 
     Large global batches (many replicas) need a large learning rate, and starting at
@@ -397,7 +285,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
             logs.setdefault("learning_rate", float(self._lr_variable().numpy()))
 
 
-class Throughput(keras.callbacks.Callback):
+class Throughput(Callback):
     """Adds training throughput to the epoch logs: examples/s globally and per replica.
 
     Keys: `examples_per_second`, `examples_per_second_per_replica` and, when
