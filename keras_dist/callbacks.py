@@ -16,14 +16,19 @@ import keras
 from keras_dist import aggregation
 from keras_dist._callback_base import Callback
 from keras_dist._replica_sync import ReplicaDivergenceError, ReplicaSyncCheck
+from keras_dist.checkpointing import BackupAndRestore, BackupError, ModelCheckpoint, TensorBoard
 from keras_dist.cluster import is_chief
 
 __all__ = [
+    "BackupAndRestore",
+    "BackupError",
     "GradientAggregation",
     "GradientNormLogger",
     "LearningRateWarmup",
+    "ModelCheckpoint",
     "ReplicaDivergenceError",
     "ReplicaSyncCheck",
+    "TensorBoard",
     "Throughput",
 ]
 
