@@ -1,0 +1,169 @@
+"""Run keras_dist's benchmarks: each prints a table; all write into one JSON file.
+
+    python benchmarks/run.py                    # the full run (quiet machine: ~15 min)
+    python benchmarks/run.py --quick            # everything in < 5 minutes on 2 cores
+    python benchmarks/run.py --only overhead,memory --output /tmp/r.json
+    python benchmarks/run.py --markdown benchmarks/results/results.json   # README table
+
+Every figure is a ratio against plain tf.distribute (the seed's way) measured in the
+same run. Benchmarks: overhead, scaling, input_sharding, communication, memory (one
+module each in benchmarks/). The JSON goes to `--output` (default
+benchmarks/results/results.json), the plot `scaling_bandwidth.png` next to it, and a
+markdown summary is printed at the end. Each measurement runs in fresh processes; this
+one never imports TensorFlow. `--smoke` is for the tests: minimal sizes, meaningless
+timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Sequence
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    # `python benchmarks/run.py` from a checkout: make `benchmarks` and `keras_dist`
+    # importable here and (through the launcher's PYTHONPATH) in the workers.
+    sys.path.insert(0, _ROOT)
+
+BENCHMARKS = ("overhead", "scaling", "input_sharding", "communication", "memory")
+_DEVICE_AWARE = ("overhead", "communication")  # take --device/--replicas/... options
+DEFAULT_OUTPUT = os.path.join(_ROOT, "benchmarks", "results", "results.json")
+PLOT_NAME = "scaling_bandwidth.png"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/run.py",
+        description="keras_dist benchmarks against plain tf.distribute.",
+    )
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="smaller sizes and fewer rounds: < 5 minutes on 2 CPU cores")
+    size.add_argument("--smoke", action="store_true",
+                      help="minimal sizes (for tests); the timings mean nothing")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT, metavar="PATH",
+                        help="results JSON (default: benchmarks/results/results.json); "
+                        f"the plot {PLOT_NAME} goes next to it")
+    parser.add_argument("--only", default=None, metavar="NAME,...",
+                        help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
+    parser.add_argument("--no-plot", action="store_true", help="do not write the plot")
+    parser.add_argument("--markdown", default=None, metavar="RESULTS",
+                        help="print the README markdown table of an existing results "
+                        "file and exit")
+    device = parser.add_argument_group("devices (overhead, communication)")
+    device.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="gpu: one process on --replicas virtual GPUs (gpu.sh)")
+    device.add_argument("--replicas", type=int, default=2, metavar="N",
+                        help="virtual devices (overhead) / workers or devices "
+                        "(communication); default 2")
+    device.add_argument("--implementation", choices=("auto", "ring", "nccl"),
+                        default="auto", help="all-reduce implementation for keras_dist")
+    device.add_argument("--mixed-precision", action="store_true",
+                        help="train with keras mixed_float16")
+    return parser
+
+
+def _selected(only: str | None, parser: argparse.ArgumentParser) -> list[str]:
+    if not only:
+        return list(BENCHMARKS)
+    names = [name.strip() for name in only.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BENCHMARKS]
+    if unknown or not names:
+        parser.error(f"--only: unknown benchmark(s) {unknown or only!r}; "
+                     f"choose from {', '.join(BENCHMARKS)}")
+    return names
+
+
+def _device_options(args) -> dict:
+    options = {"device_type": args.device.upper(), "replicas": args.replicas,
+               "implementation": args.implementation,
+               "mixed_precision": args.mixed_precision}
+    return options
+
+
+def _write(results: dict, path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    temporary = f"{path}.tmp"
+    with open(temporary, "w", encoding="utf-8") as file:
+        json.dump(results, file, indent=2, sort_keys=False, default=float)
+    os.replace(temporary, path)
+
+
+def run(names: Sequence[str], mode: str, output: str, *, device_options: dict | None = None,
+        plot: bool = True, flags: str = "") -> dict:
+    """Runs the benchmarks `names` in `mode`; writes and returns the results dict.
+
+    A benchmark that fails is recorded as `{"error": traceback}` and the others still
+    run; the caller decides the exit code.
+    """
+    from benchmarks import common, report
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    results: dict = {"meta": dict(common.machine_info(), mode=mode, flags=flags,
+                                  benchmarks=list(names))}
+    started = time.perf_counter()
+    for name in names:
+        module = importlib.import_module(f"benchmarks.{name}")
+        options = dict(device_options or {})
+        if name not in _DEVICE_AWARE:
+            options = {}
+        elif name == "communication" and options.get("device_type") == "GPU":
+            options["local"] = True  # NCCL cannot span processes sharing one GPU
+        print(f"\n=== {name} ({mode}) ===", flush=True)
+        began = time.perf_counter()
+        try:
+            results[name] = module.run(mode, **options)
+            results[name]["elapsed_s"] = time.perf_counter() - began
+            module.report(results[name])
+        except Exception:  # noqa: BLE001 - record it, run the rest, fail at the end
+            text = traceback.format_exc()
+            print(f"{name} failed:\n{text}", file=sys.stderr, flush=True)
+            results[name] = {"error": text, "elapsed_s": time.perf_counter() - began}
+        print(f"({name}: {results[name]['elapsed_s']:.0f} s)", flush=True)
+        results["meta"]["elapsed_s"] = time.perf_counter() - started
+        _write(results, output)
+    meta = results["meta"]
+    meta["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    meta["elapsed_s"] = time.perf_counter() - started
+    if plot:
+        figure = report.plot(results, os.path.join(os.path.dirname(os.path.abspath(output)),
+                                                   PLOT_NAME))
+        meta["plot"] = figure
+    _write(results, output)
+    print(f"\nwrote {output}" + (f" and {meta.get('plot')}" if meta.get("plot") else ""))
+    print("\n" + report.markdown(results), flush=True)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.markdown:
+        from benchmarks import report
+
+        with open(args.markdown, encoding="utf-8") as file:
+            print(report.markdown(json.load(file)))
+        return 0
+    if args.replicas < 1:
+        parser.error(f"--replicas must be >= 1, got {args.replicas}")
+    names = _selected(args.only, parser)
+    mode = "quick" if args.quick else "smoke" if args.smoke else "full"
+    flags = " ".join(sys.argv[1:] if argv is None else argv)
+    results = run(names, mode, args.output, device_options=_device_options(args),
+                  plot=not args.no_plot, flags=f" {flags}" if flags else "")
+    failed = [name for name in names if "error" in results[name]]
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Smoke tests of benchmarks/run.py and `keras-dist bench allreduce` at minimal sizes.
+
+They check that every benchmark runs end to end and writes its JSON keys with finite,
+positive values; they assert nothing about speed (timings on CI machines mean nothing).
+"""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import report  # noqa: E402
+from benchmarks import run as bench_run  # noqa: E402
+
+# The keys each benchmark promises in results.json (README and issue 7 quote them).
+REQUIRED = {
+    "overhead": ("plain_eps", "keras_dist_eps", "ratio"),
+    "scaling": ("eps_1", "eps_2", "efficiency"),
+    "input_sharding": ("reads_per_worker_fraction", "seed_reads_per_worker_fraction",
+                       "throughput_ratio"),
+    "communication": ("max_busbw_fp32_GBps", "bf16_allreduce_speedup_largest"),
+    "memory": ("plain_peak_rss_mb", "accumulation_peak_rss_mb", "ratio"),
+}
+
+
+def _positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _run_smoke(name, tmp_path):
+    output = tmp_path / "results.json"
+    code = bench_run.main(["--smoke", "--only", name, "--output", str(output)])
+    assert code == 0
+    results = json.loads(output.read_text())
+    assert results["meta"]["mode"] == "smoke"
+    assert results["meta"]["nproc"] >= 1 and results["meta"]["cpu_model"]
+    result = results[name]
+    assert "error" not in result, result.get("error")
+    for key in REQUIRED[name]:
+        assert _positive_finite(result[key]), f"{name}.{key} = {result.get(key)!r}"
+    return results, result
+
+
+@pytest.mark.timeout(180)
+def test_overhead_smoke(tmp_path):
+    _, result = _run_smoke("overhead", tmp_path)
+    assert set(result["variants"]) == {"plain", "strategy", "strategy+data", "keras_dist"}
+    assert set(result["cost_ms_per_step"]) == {
+        "keras_dist.strategy", "keras_dist.distribute_dataset", "GradientAggregation"}
+    # Installing the aggregation adds the global-norm bookkeeping to the step graph.
+    assert result["ops_added"]["GradientAggregation"]
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(240)
+def test_scaling_smoke(tmp_path):
+    results, result = _run_smoke("scaling", tmp_path)
+    assert result["strategies"] == ["_DefaultDistributionStrategy",
+                                    "CollectiveAllReduceStrategy"]
+    assert _positive_finite(result["breakdown_ms_2"]["gradient_all_reduce"])
+    assert (tmp_path / bench_run.PLOT_NAME).stat().st_size > 0
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(180)
+def test_input_sharding_smoke(tmp_path):
+    _, result = _run_smoke("input_sharding", tmp_path)
+    # Exact counts: keras_dist maps half the data per worker, the seed all of it.
+    assert result["reads_per_worker_fraction"] == pytest.approx(0.5)
+    assert result["seed_reads_per_worker_fraction"] == pytest.approx(1.0)
+    for pipeline in result["pipelines"].values():
+        assert pipeline["examples_seen_all_workers"] == result["config"]["examples"]
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(240)
+def test_communication_smoke(tmp_path):
+    _, result = _run_smoke("communication", tmp_path)
+    paths = {row["path"] for row in result["allreduce"]}
+    assert paths == {"plain_fp32", "keras_dist_fp32", "keras_dist_bf16"}
+    for row in result["allreduce"]:
+        assert _positive_finite(row["algbw_GBps"]) and _positive_finite(row["busbw_GBps"])
+    assert all(_positive_finite(row["time_us"]) for row in result["bytes_per_pack"]["rows"])
+    end_to_end = result["end_to_end"]
+    assert _positive_finite(end_to_end["accumulation_speedup"])
+    assert _positive_finite(end_to_end["bf16_speedup"])
+    assert (tmp_path / bench_run.PLOT_NAME).stat().st_size > 0
+
+
+@pytest.mark.timeout(180)
+def test_memory_smoke(tmp_path):
+    _, result = _run_smoke("memory", tmp_path)
+    variants = result["variants"]
+    # Same number of updates on the same effective batch; only the micro-batching differs.
+    assert variants["plain"]["updates"] == variants["accumulation"]["updates"]
+    assert variants["plain"]["batch"] == 4 * variants["accumulation"]["batch"]
+
+
+@pytest.mark.timeout(180)
+def test_cli_bench_allreduce(tmp_path, capsys):
+    # One worker keeps it short; the 2-worker sweep runs in test_communication_smoke.
+    from keras_dist.cli import main
+
+    output = tmp_path / "allreduce.json"
+    assert main(["bench", "allreduce", "--workers", "1", "--sizes", "1K", "4K",
+                 "--output", str(output)]) == 0
+    summary = json.loads(output.read_text())
+    assert summary["workers"] == 1 and summary["bus_factor"] == 0.0
+    assert {row["size_bytes"] for row in summary["rows"]} == {1024, 4096}
+    assert {row["path"] for row in summary["rows"]} == {
+        "plain_fp32", "keras_dist_fp32", "keras_dist_bf16"}
+    assert all(_positive_finite(row["algbw_GBps"]) for row in summary["rows"])
+    assert "busbw" in capsys.readouterr().out
+
+
+def test_markdown_and_plot_from_results(tmp_path):
+    results = {
+        "meta": {"date": "2026-01-01T00:00:00", "nproc": 2, "cpu_model": "Test CPU",
+                 "tensorflow": "2.21.0", "keras": "3.15.1", "flags": " --quick",
+                 "elapsed_s": 1.0, "loadavg_start": [0.1, 0.1, 0.1]},
+        "overhead": {"plain_eps": 100.0, "keras_dist_eps": 110.0, "ratio": 1.1},
+        "scaling": {"eps_1": 10.0, "eps_2": 19.0, "efficiency": 0.95},
+        "communication": {
+            "replicas": 2, "largest_size_bytes": 1 << 20, "busbw_fp32_largest_GBps": 1.0,
+            "bf16_allreduce_speedup_largest": 1.5,
+            "allreduce": [{"size_bytes": s, "path": p, "busbw_GBps": 0.5}
+                          for s in (1024, 1 << 20) for p in ("plain_fp32", "keras_dist_bf16")],
+            "bytes_per_pack": {"rows": [{"bytes_per_pack": 0, "speedup": 1.0}]},
+            "end_to_end": {"accumulation_speedup": 2.0, "bf16_speedup": 1.2},
+        },
+        "memory": {"error": "Traceback: boom"},
+    }
+    table = report.markdown(results)
+    assert "Test CPU" in table and "nproc 2" in table and "2026-01-01" in table
+    assert "| overhead |" in table and "| memory | failed |" in table
+    path = report.plot(results, str(tmp_path / "plot.png"))
+    assert os.path.getsize(path) > 0
