@@ -135,9 +135,10 @@ def run(names: Sequence[str], mode: str, output: str, *, device_options: dict | 
     if plot:
         figure = report.plot(results, os.path.join(os.path.dirname(os.path.abspath(output)),
                                                    PLOT_NAME))
-        meta["plot"] = figure
+        # Relative to the JSON, so a committed results folder does not name this machine.
+        meta["plot"] = os.path.basename(figure) if figure else None
     _write(results, output)
-    print(f"\nwrote {output}" + (f" and {meta.get('plot')}" if meta.get("plot") else ""))
+    print(f"\nwrote {output}" + (f" and {meta['plot']} beside it" if meta.get("plot") else ""))
     print("\n" + report.markdown(results), flush=True)
     return results
 
