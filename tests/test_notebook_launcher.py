@@ -1,6 +1,5 @@
 """`notebook_launcher` and `keras_dist.testing`: functions run on real worker processes."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -234,10 +233,6 @@ def logical_cpu_count():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(
-    importlib.util.find_spec("keras_dist.devices") is None,
-    reason="keras_dist.devices is not available",
-)
 def test_virtual_devices_are_set_up_before_the_function_runs():
     assert run_in_subprocess(logical_cpu_count, virtual_devices=4) == 4
 
