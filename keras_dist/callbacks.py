@@ -15,7 +15,7 @@ import keras
 
 from keras_dist import aggregation
 from keras_dist._callback_base import Callback
-from keras_dist._replica_sync import ReplicaDivergenceError, ReplicaSyncCheck
+from keras_dist._replica_sync import ReplicaDivergenceError, ReplicaSyncCheck, _positive_int
 from keras_dist.checkpointing import BackupAndRestore, BackupError, ModelCheckpoint, TensorBoard
 from keras_dist.cluster import is_chief
 
@@ -69,11 +69,6 @@ def _install(model, config, caller):
     if installed is not before:
         model.make_train_function(force=True)
     return installed
-
-
-def _positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Argument `{name}` must be an integer >= 1. Received: {name}={value!r}")
 
 
 def _positive_number(value, name):
