@@ -321,6 +321,9 @@ def _existing_files(paths) -> list[str]:
 
 
 def _warn_if_batched(dataset) -> None:
+    from keras_dist import compat
+
+    compat.check("data")
     # Best effort: only the dataset's own class (past prefetch/options) is looked at.
     for _ in range(8):
         name = type(dataset).__name__

@@ -417,7 +417,7 @@ def install(optimizer, config: AggregationConfig | None = None, *, strategy=None
     """
     import tensorflow as tf
 
-    from keras_dist import _compat
+    from keras_dist import compat
 
     if config is None:
         config = AggregationConfig(**kwargs)
@@ -426,7 +426,8 @@ def install(optimizer, config: AggregationConfig | None = None, *, strategy=None
             "Pass either `config` or its fields as keyword arguments, not both. "
             f"Received: config={config!r} and {sorted(kwargs)}"
         )
-    _compat.apply()
+    compat.check("aggregation")
+    compat.apply()
     owner = _update_owner(optimizer)
     _check_can_install(owner, config)
     existing = get_aggregator(owner)

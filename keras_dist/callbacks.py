@@ -323,6 +323,9 @@ class Throughput(Callback):
         """Examples this epoch after `steps` steps (global, over all replicas)."""
         if self.global_batch_size is not None:
             return steps * self.global_batch_size
+        from keras_dist import compat
+
+        compat.check("callbacks")
         tracker = getattr(self.model, "_loss_tracker", None)
         if tracker is None:
             raise ValueError(

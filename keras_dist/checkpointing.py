@@ -179,6 +179,9 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- hooks ----------------------------------------------------------------------
     def on_train_begin(self, logs=None):
+        from keras_dist import compat
+
+        compat.check("checkpointing")
         self._reset_run_state()
         self.preempted = False
         strategy = self.model.distribute_strategy

@@ -8,7 +8,7 @@ returns a real TensorFlow strategy:
 * one worker with several GPUs or virtual devices -> `MirroredStrategy` over them;
 * otherwise TensorFlow's default strategy (one replica).
 
-It also applies keras_dist's Keras 3 compatibility fixes (`_compat.py`) once, and it
+It also applies keras_dist's Keras 3 compatibility fixes (`keras_dist.compat`) once, and it
 remembers what it built: `MultiWorkerMirroredStrategy` must be created once per process,
 and every keras_dist function with `strategy=None` resolves to it (`resolve_strategy`).
 """
@@ -165,9 +165,9 @@ def strategy(
                 "TensorFlow allows only one per process. Call keras_dist.strategy() with "
                 "the same arguments to get it back, or start a new process."
             )
-    from keras_dist import _compat
+    from keras_dist import compat
 
-    _compat.apply()
+    compat.apply()
     built = _build(resolved_kind, resolved_devices, cluster, implementation,
                    bytes_per_pack, timeout_seconds)
     _created.append(_Created(key=key, strategy=built, kind=resolved_kind, cluster=cluster))

@@ -87,17 +87,17 @@ def test_seed_example_fails_without_each_fix(disabled, upstream_error):
 
 def _fixes_applied():
     import keras_dist
-    from keras_dist import _compat
+    from keras_dist import compat
 
     keras_dist.strategy()
-    return _compat.applied(), _compat.keras_version()
+    return compat.applied(), compat.probe_report()
 
 
-def test_fixes_are_version_gated_and_applied_once():
-    applied, version = run_in_subprocess(_fixes_applied, timeout=120)
-    expected = (3, 6, 0) <= tuple(version) < (3, 16, 0)
-    assert applied["symbolic_build_multi_worker"] is expected
-    assert applied["reduce_per_replica_scalar"] is ((3, 0, 0) <= tuple(version) < (3, 16, 0))
+def test_strategy_applies_exactly_the_fixes_whose_bug_the_probe_finds():
+    applied, report = run_in_subprocess(_fixes_applied, timeout=120)
+    assert set(applied) == set(report)
+    for name, verdict in report.items():
+        assert applied[name] is (verdict != "fixed"), (name, verdict)
 
 
 def _equivalence(steps=5):

@@ -1,0 +1,218 @@
+"""Probe-gated fixes and the internals registry (keras_dist.compat).
+
+Each probe must find its bug in the Keras installed here (3.15.1, and the pinned
+keras-nightly in CI's nightly lane), and say "fixed" for a patched copy of upstream's
+code without the bug - then `apply()` must leave upstream alone. A registry symbol that
+disappears must be a clear CompatError naming it and the Keras version.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import textwrap
+import warnings
+
+import pytest
+
+keras = pytest.importorskip("keras")
+
+from keras_dist import compat  # noqa: E402
+from keras_dist.compat import _keras_tf, _patch, registry  # noqa: E402
+
+
+@pytest.fixture()
+def clean_compat(monkeypatch):
+    """Upstream Keras without keras_dist's patches.
+
+    Torn down before `monkeypatch` (it depends on it), so a test's own replacement of an
+    upstream symbol is reverted first and monkeypatch then restores upstream. The next
+    `keras_dist.strategy()` or `install()` applies the fixes again.
+    """
+    compat.revert()
+    registry._checked.clear()
+    compat._warned.clear()
+    yield
+    compat.revert()
+    registry._checked.clear()
+
+
+def _patched_copy(function, bug: str, replacement: str):
+    """Upstream `function` recompiled with its bug pattern replaced: a fixed upstream."""
+    source = textwrap.dedent(inspect.getsource(function))
+    fixed, count = re.subn(bug, replacement, source)
+    assert count, f"bug pattern {bug!r} not found in upstream {function.__qualname__}"
+    namespace = dict(function.__globals__)
+    code = compile(fixed, inspect.getsourcefile(function), "exec")
+    exec(code, namespace)
+    copy = namespace[function.__name__]
+    # linecache cannot show the recompiled text; make the probe read it from here.
+    copy.__wrapped__ = None
+    return copy, fixed
+
+
+# (fix module, owner, attribute the probe reads, raw-source bug regex, replacement)
+CASES = {
+    "symbolic_build_multi_worker": (
+        _keras_tf.trainer_class, "_maybe_symbolic_build",
+        r"self\.distribute_strategy\.reduce\(\s*\"MEAN\",",
+        "self.distribute_strategy.experimental_local_results_first(",
+    ),
+    "reduce_per_replica_scalar": (
+        _keras_tf.trainer_module, "reduce_per_replica",
+        r"strategy\.reduce\(\"MEAN\", v, axis=0\)",
+        "strategy.reduce(\"MEAN\", v, axis=None)",
+    ),
+    "loss_scale_finite_across_replicas": (
+        _keras_tf.loss_scale_optimizer_class, "_tf_apply",
+        r"distribution\.experimental_local_results\(\s*finite_per_replica\s*\)\[0\]",
+        "distribution.reduce('MIN', finite_per_replica, axis=None)",
+    ),
+}
+
+
+def _fix(name):
+    return {fix.name: fix for fix in compat.FIXES}[name]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_probe_finds_the_bug_in_installed_keras(name):
+    assert _fix(name).probe() == compat.PRESENT
+
+
+class _SourceFromString:
+    """Lets `inspect.getsource` read a recompiled function's text."""
+
+    def __init__(self, function, text):
+        self.function, self.text = function, text
+
+    def __enter__(self):
+        import linecache
+
+        filename = f"<keras_dist patched {self.function.__name__}>"
+        self.function.__code__ = self.function.__code__.replace(co_filename=filename)
+        linecache.cache[filename] = (len(self.text), None, self.text.splitlines(True),
+                                     filename)
+        return self.function
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_probe_says_fixed_for_a_patched_upstream_and_apply_skips_the_fix(
+        name, clean_compat, monkeypatch):
+    owner_fn, attribute, bug, replacement = CASES[name]
+    owner = owner_fn()
+    upstream = getattr(owner, attribute)
+    copy, text = _patched_copy(upstream, bug, replacement)
+    del copy.__wrapped__
+    with _SourceFromString(copy, text):
+        fix = _fix(name)
+        assert fix.probe() == compat.PRESENT
+        module = {"symbolic_build_multi_worker": "symbolic_build",
+                  "reduce_per_replica_scalar": "reduce_per_replica",
+                  "loss_scale_finite_across_replicas": "loss_scale"}[name]
+        probe = getattr(compat, module).probe
+        assert probe(copy) == compat.FIXED
+        monkeypatch.setattr(owner, attribute, copy)
+        assert fix.probe() == compat.FIXED
+        compat.apply()
+        assert compat.applied()[name] is False
+        # Upstream's (fixed) code is left exactly as it is.
+        assert getattr(owner, attribute) is copy
+
+
+def test_apply_installs_fixes_and_revert_restores_upstream(clean_compat):
+    trainer = _keras_tf.trainer_class()
+    upstream = trainer.__dict__["_maybe_symbolic_build"]
+    applied = compat.apply()
+    assert set(applied) == set(CASES)
+    assert trainer.__dict__["_maybe_symbolic_build"] is not upstream
+    # The probe reads upstream's code, not keras_dist's wrapper.
+    assert _fix("symbolic_build_multi_worker").probe() == compat.PRESENT
+    compat.revert()
+    assert trainer.__dict__["_maybe_symbolic_build"] is upstream
+    assert compat.applied() == {}
+
+
+def test_an_undecidable_probe_warns_once_naming_the_fix_and_applies_it(
+        clean_compat, monkeypatch):
+    module = _keras_tf.trainer_module()
+    # A function whose code cannot be read (built from a string): the probe cannot tell.
+    namespace = {}
+    exec("def reduce_per_replica(values, strategy, reduction):\n    return values\n",
+         namespace)
+    monkeypatch.setattr(module, "reduce_per_replica", namespace["reduce_per_replica"])
+    with pytest.warns(RuntimeWarning, match="reduce_per_replica_scalar"):
+        compat.apply()
+    assert compat.applied()["reduce_per_replica_scalar"] is True
+    compat.revert()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compat.apply()  # warned once per process already
+
+
+def test_disabling_a_fix_by_environment_leaves_upstream_alone(clean_compat, monkeypatch):
+    monkeypatch.setenv("KERAS_DIST_DISABLE_COMPAT", "reduce_per_replica_scalar")
+    module = _keras_tf.trainer_module()
+    upstream = module.reduce_per_replica
+    compat.apply()
+    assert compat.applied()["reduce_per_replica_scalar"] is False
+    assert module.reduce_per_replica is upstream
+
+
+def test_every_registered_internal_is_present_in_installed_keras():
+    assert registry.problems() == {}
+    for fix in compat.FIXES:
+        for symbol in fix.symbols:
+            registry.get(symbol)  # every patched symbol is registered
+
+
+def test_a_renamed_internal_is_a_clear_error_naming_it_and_the_keras_version(
+        clean_compat, monkeypatch):
+    tf_optimizer = _keras_tf.tf_optimizer_class()
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        grads_and_vars = self._all_reduce_sum_gradients_renamed(
+            list(zip(grads, trainable_variables)))
+        return grads_and_vars
+
+    monkeypatch.setattr(tf_optimizer, "_backend_update_step", _backend_update_step)
+    with pytest.raises(compat.CompatError) as caught:
+        compat.check("aggregation")
+    message = str(caught.value)
+    assert "keras.TFOptimizer._all_reduce_sum_gradients" in message
+    assert f"Keras {keras.__version__}" in message
+    from keras_dist import aggregation
+
+    optimizer = keras.optimizers.SGD(0.1)
+    with pytest.raises(compat.CompatError, match="_all_reduce_sum_gradients"):
+        aggregation.install(optimizer)
+
+
+def test_a_missing_patched_symbol_is_a_clear_error_from_apply(clean_compat, monkeypatch):
+    lso = _keras_tf.loss_scale_optimizer_class()
+    monkeypatch.delattr(lso, "check_finite")
+    with pytest.raises(compat.CompatError, match="KERAS_DIST_DISABLE_COMPAT="
+                       "loss_scale_finite_across_replicas"):
+        compat.apply()
+
+
+def test_patch_remembers_upstream_once():
+    class Owner:
+        def method(self):
+            return "upstream"
+
+    def first(self):
+        return "first"
+
+    def second(self):
+        return "second"
+
+    _patch.patch(Owner, "method", first, fix="t")
+    _patch.patch(Owner, "method", second, fix="t")
+    assert _patch.original(Owner, "method")(None) == "upstream"
+    assert Owner().method() == "second"
+    assert _patch.revert("t") == ["Owner.method"]
+    assert Owner().method() == "upstream"
