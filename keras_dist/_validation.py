@@ -60,9 +60,9 @@ def check_optional_number(name: str, value: Any, **kwargs) -> float | None:
     return check_number(name, value, **kwargs)
 
 
-def check_bool(name: str, value: Any) -> bool:
+def check_bool(name: str, value: Any, *, error: type[Exception] = ValueError) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(message(name, "True or False", value))
+        raise error(message(name, "True or False", value))
     return value
 
 

@@ -116,7 +116,7 @@ def _tf_data_classes() -> str | None:
 
     import tensorflow  # noqa: F401  (loads tf.data's op modules)
 
-    from keras_dist import _data_sources
+    from keras_dist.data import sources as _data_sources
 
     known = {
         name

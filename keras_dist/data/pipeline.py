@@ -38,9 +38,9 @@ a worker that stops early leaves the others waiting in a collective for ever.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
-from keras_dist import _data_sources
+from keras_dist import _validation
+from keras_dist.data import sources as _data_sources
 from keras_dist.strategy import resolve_strategy
 
 __all__ = ["distribute_dataset", "steps_per_epoch"]
@@ -118,17 +118,11 @@ def _plan(source, layout: _Layout, per_replica: int, drop_remainder: bool) -> _P
 
 
 def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"Argument `{name}` must be True or False. Received: {name}={value!r}")
-    return value
+    return _validation.check_bool(name, value, error=TypeError)
 
 
 def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(
-            f"Argument `{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
-        )
-    return int(value)
+    return _validation.check_int(name, value, minimum)
 
 
 def _check_no_pending_cluster() -> None:
