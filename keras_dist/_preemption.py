@@ -68,11 +68,9 @@ class SigtermFlag:
 
 def is_multi_worker(strategy) -> bool:
     """True for a MultiWorkerMirroredStrategy that spans more than one worker."""
-    import tensorflow as tf
+    from keras_dist import _runtime
 
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
-        strategy.extended._num_workers > 1  # the only public-ish count of workers
-    )
+    return _runtime.workers_of(strategy) > 1
 
 
 def gather_rows(strategy, row) -> np.ndarray:

@@ -15,29 +15,15 @@ and every keras_dist function with `strategy=None` resolves to it (`resolve_stra
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
+from keras_dist import _runtime
 from keras_dist.cluster import ClusterConfig
 
 __all__ = ["strategy", "resolve_strategy"]
 
 _KINDS = ("auto", "mirrored", "multi_worker", "one_device")
 _IMPLEMENTATIONS = ("auto", "ring", "nccl")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Created:
-    key: tuple
-    strategy: object
-    kind: str
-    cluster: ClusterConfig
-
-
-# What `strategy()` built in this process, newest last. Module state on purpose: TF
-# allows a single MultiWorkerMirroredStrategy per process (its collective server cannot
-# be restarted), so the factory must hand the same object back.
-_created: list[_Created] = []
 
 
 def _validate(kind, devices, implementation, bytes_per_pack, timeout_seconds):
@@ -151,13 +137,11 @@ def strategy(
     resolved_kind, resolved_devices = _choose(kind, devices, cluster)
     key = (resolved_kind, resolved_devices, implementation, bytes_per_pack,
            timeout_seconds, cluster)
-    for created in _created:
-        if created.key == key:
-            # The most recently requested strategy is the one `strategy=None` means.
-            _created.remove(created)
-            _created.append(created)
-            return created.strategy
-    for created in _created:
+    # The most recently requested strategy is the one `strategy=None` means.
+    existing = _runtime.find(key)
+    if existing is not None:
+        return existing.strategy
+    for created in _runtime.created():
         if created.kind == "multi_worker":
             raise RuntimeError(
                 "A MultiWorkerMirroredStrategy already exists in this process (created by "
@@ -170,7 +154,8 @@ def strategy(
     compat.apply()
     built = _build(resolved_kind, resolved_devices, cluster, implementation,
                    bytes_per_pack, timeout_seconds)
-    _created.append(_Created(key=key, strategy=built, kind=resolved_kind, cluster=cluster))
+    _runtime.remember(_runtime.Created(key=key, strategy=built, kind=resolved_kind,
+                                       cluster=cluster))
     return built
 
 
@@ -279,14 +264,10 @@ def resolve_strategy(strategy=None):
         return strategy
     if tf.distribute.has_strategy():
         return tf.distribute.get_strategy()
-    if _created:
-        return _created[-1].strategy
+    latest = _runtime.latest()
+    if latest is not None:
+        return latest.strategy
     return tf.distribute.get_strategy()
-
-
-def _created_cluster_config() -> ClusterConfig | None:
-    """The cluster the newest keras_dist-created strategy trains on, if any."""
-    return _created[-1].cluster if _created else None
 
 
 def _info_lines() -> list[str]:

@@ -343,7 +343,7 @@ def test_module_helpers_read_the_environment(monkeypatch):
     import keras_dist.strategy  # noqa: F401  (the module, not the factory function)
 
     # Forget strategies other tests created in this process, for this test only.
-    monkeypatch.setattr(sys.modules["keras_dist.strategy"], "_created", [])
+    monkeypatch.setattr(sys.modules["keras_dist._runtime"], "_created", [])
     from keras_dist import cluster
 
     monkeypatch.setenv("TF_CONFIG", make_tf_config(["a:1", "b:1", "c:1"], 2))

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from keras_dist import _validation
+from keras_dist import _runtime, _validation
 from keras_dist.data import sources as _data_sources
 from keras_dist.strategy import resolve_strategy
 
@@ -87,7 +87,8 @@ def _layout(strategy) -> _Layout:
     replicas = int(strategy.num_replicas_in_sync)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         local = len(strategy.extended.worker_devices)
-        return _Layout(num_workers=replicas // local, local_replicas=local, from_function=True)
+        return _Layout(num_workers=_runtime.workers_of(strategy), local_replicas=local,
+                       from_function=True)
     return _Layout(num_workers=1, local_replicas=replicas, from_function=False)
 
 
@@ -126,9 +127,7 @@ def _check_int(name: str, value, minimum: int) -> int:
 
 
 def _check_no_pending_cluster() -> None:
-    from keras_dist.cluster import ClusterConfig
-
-    cluster = ClusterConfig.from_env()
+    cluster = _runtime.cluster()
     if cluster.is_multi_worker:
         # Built for one worker, the data would not be sharded and Keras would later
         # split each of its batches across the workers: a smaller global batch, and

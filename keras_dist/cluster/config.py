@@ -16,14 +16,11 @@ import re
 import types
 from typing import Any, Mapping
 
-from keras_dist import _slurm
+from keras_dist.cluster import slurm as _slurm
 
 __all__ = [
     "ClusterConfig",
     "ClusterConfigError",
-    "is_chief",
-    "worker_index",
-    "num_workers",
     "make_tf_config",
 ]
 
@@ -338,27 +335,3 @@ def _check_address(address: Any, field: str) -> tuple[str, int]:
 def _shorten(value: Any, limit: int = 120) -> str:
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _current() -> ClusterConfig:
-    # The strategy created in this process fixed the cluster it trains on; prefer its
-    # config so a later change to os.environ cannot make helpers disagree with it.
-    from keras_dist.strategy import _created_cluster_config
-
-    config = _created_cluster_config()
-    return config if config is not None else ClusterConfig.from_env()
-
-
-def is_chief() -> bool:
-    """True on the process that should write files and print (chief, else worker 0)."""
-    return _current().is_chief
-
-
-def worker_index() -> int:
-    """This process's rank among the training processes (0 on the chief)."""
-    return _current().worker_index
-
-
-def num_workers() -> int:
-    """Number of training processes in the cluster (1 when running alone)."""
-    return _current().num_workers
