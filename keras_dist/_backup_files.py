@@ -39,12 +39,10 @@ class BackupError(RuntimeError):
 class Backup:
     """What `backup.json` says; `weights_path` is checked to exist with the right checksum."""
 
-    directory: str
     epoch: int
     step: int
     seq: int
     weights_path: str
-    sha256: str
     num_workers: int
 
 
@@ -119,7 +117,7 @@ def read_backup(directory: str, verify: bool = True) -> Backup | None:
             f"{metadata_path!r}: the file was changed or damaged after it was saved. "
             "Delete the backup directory to start training from scratch."
         )
-    return Backup(directory, epoch, step, seq, weights_path, sha256, num_workers)
+    return Backup(epoch, step, seq, weights_path, num_workers)
 
 
 def write_backup(
@@ -167,7 +165,7 @@ def write_backup(
         if os.path.exists(temporary):
             os.remove(temporary)
     _remove_stale(directory, keep=weights_name)
-    return Backup(directory, epoch, step, seq, weights_path, sha256, num_workers)
+    return Backup(epoch, step, seq, weights_path, num_workers)
 
 
 def delete_backup(directory: str) -> None:

@@ -69,8 +69,6 @@ def array_shard_indices(num_examples: int, num_workers: int, worker_index: int,
 class Source:
     """One kind of input. Subclasses define `shard_sizes` and `worker_dataset`."""
 
-    kind = "source"
-
     def shard_sizes(self, num_workers: int, worker_batch: int) -> list[int] | None:
         """Each worker's shard size, or None when it is not known without reading."""
         return None
@@ -87,8 +85,6 @@ class Source:
 
 class ArraySource(Source):
     """NumPy arrays (or a tuple/dict nest of them): sliced in NumPy before TensorFlow."""
-
-    kind = "arrays"
 
     def __init__(self, structure: Any, num_examples: int):
         self.structure = structure
@@ -123,8 +119,6 @@ class ArraySource(Source):
 class DatasetSource(Source):
     """A `tf.data.Dataset` of unbatched elements: `.shard()` first, on every worker."""
 
-    kind = "dataset"
-
     def __init__(self, dataset):
         self.dataset = dataset
         cardinality = int(dataset.cardinality())
@@ -146,8 +140,6 @@ class DatasetSource(Source):
 
 class FileSource(Source):
     """TFRecord files: by file when there are at least as many files as workers."""
-
-    kind = "files"
 
     def __init__(self, paths: list[str]):
         self.paths = paths
@@ -175,8 +167,6 @@ class FileSource(Source):
 
 class FunctionSource(Source):
     """`fn(input_context) -> tf.data.Dataset` that reads this worker's shard itself."""
-
-    kind = "function"
 
     def __init__(self, dataset_fn: Callable):
         self.dataset_fn = dataset_fn
