@@ -2,8 +2,11 @@
 
 Keras 3 reduces gradients in exactly one place, `TFOptimizer._all_reduce_sum_gradients`
 (a plain `ReplicaContext.all_reduce(SUM)`), and it clips (`clipnorm`, `global_clipnorm`,
-`clipvalue`) *before* that, on each replica's local gradient. keras_dist takes that step
-over with an **instance hook**: `install(optimizer, config)` replaces two methods on the
+`clipvalue`) *before* that, on each replica's local gradient. Under a strategy built by
+`keras_dist.strategy()` the compat fixes in `keras_dist.compat.optimizer_options` already
+give those options (and `gradient_accumulation_steps`) one-device semantics; this module
+adds what Keras has no option for. keras_dist takes the reduction over with an
+**instance hook**: `install(optimizer, config)` replaces two methods on the
 optimizer object that performs the update (the inner optimizer of a
 `LossScaleOptimizer`):
 
@@ -64,9 +67,8 @@ tests and benchmarks can check "once per k steps".
 
 from __future__ import annotations
 
-import dataclasses
-
 from keras_dist import _aggregation_ops as gops
+from keras_dist._aggregation_config import AggregationConfig
 
 __all__ = [
     "AggregationConfig",
@@ -75,73 +77,6 @@ __all__ = [
     "install",
     "uninstall",
 ]
-
-_IMPLEMENTATIONS = ("auto", "ring", "nccl")
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-@dataclasses.dataclass(frozen=True)
-class AggregationConfig:
-    """What keras_dist does to gradients between the backward pass and the update.
-
-    Args:
-        clipnorm: Clip by the global norm of the aggregated gradient (single-device
-            `global_clipnorm` semantics). None: no clipping.
-        compression: None, `"bf16"` or `"fp16"`: the dtype gradients travel in.
-        accumulation_steps: Micro-batches per update (1: update every step).
-        bytes_per_pack: All-reduce pack size in bytes (0: TensorFlow decides).
-        timeout_seconds: Abort an all-reduce that takes longer (None: wait forever).
-        implementation: `"auto"`, `"ring"` or `"nccl"` collectives.
-
-    Raises:
-        ValueError: An argument is out of range.
-    """
-
-    clipnorm: float | None = None
-    compression: str | None = None
-    accumulation_steps: int = 1
-    bytes_per_pack: int = 0
-    timeout_seconds: float | None = None
-    implementation: str = "auto"
-
-    def __post_init__(self):
-        if self.clipnorm is not None and not (_is_number(self.clipnorm) and self.clipnorm > 0):
-            raise ValueError(
-                "Argument `clipnorm` must be a number > 0 or None. "
-                f"Received: clipnorm={self.clipnorm!r}"
-            )
-        if self.compression not in gops.COMPRESSIONS:
-            raise ValueError(
-                "Argument `compression` must be one of None, 'bf16', 'fp16'. "
-                f"Received: compression={self.compression!r}"
-            )
-        steps = self.accumulation_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(
-                "Argument `accumulation_steps` must be an integer >= 1. "
-                f"Received: accumulation_steps={steps!r}"
-            )
-        pack = self.bytes_per_pack
-        if isinstance(pack, bool) or not isinstance(pack, int) or pack < 0:
-            raise ValueError(
-                "Argument `bytes_per_pack` must be an integer >= 0 (0 lets TensorFlow "
-                f"choose). Received: bytes_per_pack={pack!r}"
-            )
-        timeout = self.timeout_seconds
-        if timeout is not None and not (_is_number(timeout) and timeout > 0):
-            raise ValueError(
-                "Argument `timeout_seconds` must be a positive number of seconds or None. "
-                f"Received: timeout_seconds={timeout!r}"
-            )
-        if self.implementation not in _IMPLEMENTATIONS:
-            raise ValueError(
-                f"Argument `implementation` must be one of {list(_IMPLEMENTATIONS)}. "
-                f"Received: implementation={self.implementation!r}"
-            )
-
 
 def _update_owner(optimizer):
     """The optimizer whose `apply` performs the update (the inner one of a LSO)."""
@@ -165,13 +100,15 @@ def _check_can_install(owner, config: AggregationConfig) -> None:
             "Expected a keras.optimizers.Optimizer (e.g. model.optimizer after compile()). "
             f"Received: {type(owner).__name__}"
         )
-    if owner.gradient_accumulation_steps:
+    steps = owner.gradient_accumulation_steps
+    if steps:
         raise ValueError(
-            f"The optimizer has gradient_accumulation_steps="
-            f"{owner.gradient_accumulation_steps}; Keras' own accumulation fails under "
-            "tf.distribute (keras-team/keras#20582). Remove gradient_accumulation_steps "
-            "from the optimizer and pass accumulation_steps="
-            f"{owner.gradient_accumulation_steps} to keras_dist instead."
+            f"The optimizer has gradient_accumulation_steps={steps}, and keras_dist's "
+            "aggregation would accumulate micro-batches again. Choose one: drop the "
+            "keras_dist aggregation (Keras' own accumulation works under "
+            "keras_dist.strategy(), which fixes keras-team/keras#20582), or remove "
+            "gradient_accumulation_steps from the optimizer and pass accumulation_steps="
+            f"{steps} to keras_dist (one all-reduce per update, optional compression)."
         )
     if config.clipnorm is not None:
         keras_clip = {

@@ -79,16 +79,22 @@ def _positive_number(value, name):
 class GradientAggregation(Callback):
     """Aggregates gradients correctly across replicas and workers during `fit`.
 
-    Use it instead of the optimizer's `global_clipnorm` / `gradient_accumulation_steps`
-    when training under a `tf.distribute` strategy: Keras clips each replica's local
-    gradient before the all-reduce and its accumulation crashes under MirroredStrategy.
-    With this callback, training on N replicas gives the weights single-device training
-    with the same global batch gives. See `keras_dist.aggregation` for the pipeline
+    Under `keras_dist.strategy()` the optimizer's own `clipnorm`, `global_clipnorm`,
+    `clipvalue` and `gradient_accumulation_steps` already train like one device with
+    the same global batch, without this callback. Use it for what Keras has no option
+    for: accumulation that all-reduces once per update (learning-rate schedules then see
+    updates), bf16/fp16 communication, all-reduce packing and timeouts, the aggregated
+    gradient norm; or under a `tf.distribute` strategy keras_dist did not build, where
+    Keras clips each replica's local gradient before the all-reduce. Gradients are never
+    clipped twice: with this callback, the optimizer's own clipping acts once, on the
+    aggregated gradient, and setting both it and `clipnorm` here is an error. See
+    `keras_dist.aggregation` for the pipeline
     (accumulate -> compress -> all-reduce -> decompress -> norm -> clip).
 
     Args:
         clipnorm: Clip by the global norm of the aggregated gradient (Keras'
-            single-device `global_clipnorm`). Do not also set clipping on the optimizer.
+            single-device `global_clipnorm`). Not together with the optimizer's own
+            `clipnorm`, `global_clipnorm` or `clipvalue` (that would clip twice).
         compression: None, `"bf16"` or `"fp16"`: dtype gradients are all-reduced in.
         accumulation_steps: Micro-batches per update; the all-reduce runs once per update.
             `optimizer.iterations` counts updates.
@@ -98,7 +104,8 @@ class GradientAggregation(Callback):
 
     Raises:
         ValueError: An argument is invalid (here), or the optimizer has conflicting
-            settings (at `fit`).
+            settings (at `fit`): Keras clipping together with `clipnorm`, or the
+            optimizer's `gradient_accumulation_steps` (accumulate in one place only).
 
     Example:
         >>> import keras, keras_dist, numpy as np

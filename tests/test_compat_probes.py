@@ -68,6 +68,16 @@ CASES = {
         r"distribution\.experimental_local_results\(\s*finite_per_replica\s*\)\[0\]",
         "distribution.reduce('MIN', finite_per_replica, axis=None)",
     ),
+    "clip_after_all_reduce": (
+        _keras_tf.tf_optimizer_class, "_all_reduce_sum_gradients",
+        r"return reduced_with_nones",
+        "return self._clip_gradients_after_reduce(reduced_with_nones)",
+    ),
+    "gradient_accumulation_distributed": (
+        _keras_tf.tf_optimizer_class, "_backend_apply_gradients",
+        r"ops\.cond\(\s*is_update_step,",
+        "cross_replica_cond(is_update_step,",
+    ),
 }
 
 
@@ -110,11 +120,7 @@ def test_probe_says_fixed_for_a_patched_upstream_and_apply_skips_the_fix(
     with _SourceFromString(copy, text):
         fix = _fix(name)
         assert fix.probe() == compat.PRESENT
-        module = {"symbolic_build_multi_worker": "symbolic_build",
-                  "reduce_per_replica_scalar": "reduce_per_replica",
-                  "loss_scale_finite_across_replicas": "loss_scale"}[name]
-        probe = getattr(compat, module).probe
-        assert probe(copy) == compat.FIXED
+        assert fix.probe(copy) == compat.FIXED
         monkeypatch.setattr(owner, attribute, copy)
         assert fix.probe() == compat.FIXED
         compat.apply()

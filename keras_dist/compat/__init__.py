@@ -29,7 +29,10 @@ import os
 import threading
 import warnings
 
-from keras_dist.compat import _patch, _probe, loss_scale, registry, reduce_per_replica, symbolic_build
+from keras_dist.compat import (
+    _patch, _probe, loss_scale, optimizer_options, reduce_per_replica, registry,
+    symbolic_build,
+)
 from keras_dist.compat._fix import Fix
 from keras_dist.compat._keras_tf import keras_version
 from keras_dist.compat._probe import FIXED, PRESENT, UNKNOWN
@@ -40,7 +43,10 @@ __all__ = [
     "apply", "applied", "revert", "probe_report", "check", "keras_version",
 ]
 
-FIXES: tuple[Fix, ...] = (symbolic_build.FIX, reduce_per_replica.FIX, loss_scale.FIX)
+FIXES: tuple[Fix, ...] = (
+    symbolic_build.FIX, reduce_per_replica.FIX, loss_scale.FIX,
+    optimizer_options.CLIP_FIX, optimizer_options.ACCUMULATION_FIX,
+)
 
 _lock = threading.Lock()
 _applied: dict[str, bool] = {}

@@ -219,6 +219,26 @@ INTERNALS: tuple[Internal, ...] = (
         "Maps a variable to its accumulator.",
         ("aggregation",), "attribute lookup",
         _attribute(_base_optimizer, "_get_variable_index")),
+    *(Internal(
+        f"keras.Optimizer.{name}",
+        f"The stock-option fixes (compat.optimizer_options) call it as Keras' "
+        f"`_backend_apply_gradients` does: {why}.",
+        ("strategy",), "`_backend_apply_gradients` still calls it",
+        _code_mentions(_base_optimizer, "_backend_apply_gradients", rf"self\.{name}\("))
+      for name, why in (
+          ("_clip_gradients", "clipping moves to after the all-reduce"),
+          ("_backend_update_step", "the accumulated update (it all-reduces)"),
+          ("_apply_weight_decay", "weight decay in the accumulated update"),
+          ("_backend_increment_gradient_accumulators", "accumulation without communication"),
+          ("_backend_reset_gradient_accumulators", "reset after the accumulated update"),
+          ("_update_model_variables_moving_average", "EMA after every micro-step"),
+          ("_overwrite_model_variables_with_average_value", "EMA overwrite"),
+      )),
+    Internal(
+        "keras.Optimizer._accumulated_gradients",
+        "The gradient_accumulation_distributed fix reads Keras' own accumulators.",
+        ("strategy",), "`build()` still creates them",
+        _code_mentions(_base_optimizer, "build", r"self\._accumulated_gradients =")),
     Internal(
         "keras.Trainer._loss_tracker",
         "Throughput reads the running loss without a collective.",
