@@ -56,17 +56,9 @@ def _upstream(name):
 
 def _built_by_keras_dist(strategy) -> bool:
     """Whether `keras_dist.strategy()` built `strategy` (only those get the fixes)."""
-    import importlib
+    from keras_dist import _runtime
 
-    entries = []
-    for module_name, attribute in (("keras_dist._runtime", "created"),
-                                   ("keras_dist.strategy", "_created")):
-        try:
-            found = getattr(importlib.import_module(module_name), attribute, ())
-        except ImportError:
-            continue
-        entries.extend(found() if callable(found) else found)
-    return any(entry.strategy is strategy for entry in entries)
+    return any(entry.strategy is strategy for entry in _runtime.created())
 
 
 def _distributed_here(optimizer) -> bool:
@@ -97,6 +89,11 @@ def probe_clip(reduce_function=None, apply_function=None) -> str:
         apply_function, _CLIPS_BEFORE_REDUCE, required=r"_backend_update_step")
 
 
+def _clips_itself(optimizer) -> bool:
+    """A subclass that overrides `_clip_gradients` keeps clipping where it does (once)."""
+    return getattr(type(optimizer)._clip_gradients, "_keras_dist_fix", None) != CLIP_NAME
+
+
 def _apply_clip_fix() -> None:
     owner = _tf_optimizer()
     upstream_clip = _patch.original(owner, "_clip_gradients")
@@ -111,7 +108,7 @@ def _apply_clip_fix() -> None:
     @functools.wraps(upstream_reduce)
     def _all_reduce_sum_gradients(self, grads_and_vars):
         reduced = list(upstream_reduce(self, grads_and_vars))
-        if not _distributed_here(self):
+        if not _distributed_here(self) or _clips_itself(self):
             return reduced
         clipped = upstream_clip(self, [grad for grad, _ in reduced])
         return [(grad, variable) for grad, (_, variable) in zip(clipped, reduced)]
