@@ -5,8 +5,13 @@ returns a real TensorFlow strategy:
 
 * more than one worker in the cluster -> `MultiWorkerMirroredStrategy` (RING collectives
   on CPU, NCCL where asked and available), with `CommunicationOptions`;
-* one worker with several GPUs or virtual devices -> `MirroredStrategy` over them;
-* otherwise TensorFlow's default strategy (one replica).
+* one worker -> `MirroredStrategy` over its GPUs or virtual devices, or over its one
+  device (like `tf.distribute.MirroredStrategy()` on a one-GPU or CPU machine: Keras then
+  builds optimizers and variables as under any strategy, not lazily inside the step).
+
+Every strategy it returns has a `cluster_resolver` (task type and id `None` in one
+process, as `MultiWorkerMirroredStrategy` has there), so code written for multi-worker
+training runs unchanged (`keras_dist._local_strategies`).
 
 It also applies keras_dist's Keras 3 compatibility fixes (`keras_dist.compat`) once, and it
 remembers what it built: `MultiWorkerMirroredStrategy` must be created once per process,
@@ -18,52 +23,14 @@ from __future__ import annotations
 from typing import Sequence
 
 from keras_dist import _runtime
+from keras_dist._strategy_args import (
+    _normalized_implementation,
+    _second_multi_worker_message,
+    _validate,
+)
 from keras_dist.cluster import ClusterConfig
 
 __all__ = ["strategy", "resolve_strategy"]
-
-_KINDS = ("auto", "mirrored", "multi_worker", "one_device")
-_IMPLEMENTATIONS = ("auto", "ring", "nccl")
-
-
-def _validate(kind, devices, implementation, bytes_per_pack, timeout_seconds):
-    if kind not in _KINDS:
-        raise ValueError(
-            f"Argument `kind` must be one of {list(_KINDS)}. Received: kind={kind!r}"
-        )
-    if implementation not in _IMPLEMENTATIONS:
-        raise ValueError(
-            f"Argument `implementation` must be one of {list(_IMPLEMENTATIONS)}. "
-            f"Received: implementation={implementation!r}"
-        )
-    if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or (
-        bytes_per_pack < 0
-    ):
-        raise ValueError(
-            "Argument `bytes_per_pack` must be an integer >= 0 (0 lets TensorFlow choose). "
-            f"Received: bytes_per_pack={bytes_per_pack!r}"
-        )
-    if timeout_seconds is not None and (
-        isinstance(timeout_seconds, bool)
-        or not isinstance(timeout_seconds, (int, float))
-        or not timeout_seconds > 0
-    ):
-        raise ValueError(
-            "Argument `timeout_seconds` must be a positive number of seconds or None. "
-            f"Received: timeout_seconds={timeout_seconds!r}"
-        )
-    if devices is not None:
-        if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices:
-            raise ValueError(
-                "Argument `devices` must be a non-empty list of device names such as "
-                f"['/gpu:0', '/gpu:1'], or None. Received: devices={devices!r}"
-            )
-        if not all(isinstance(d, str) and d for d in devices):
-            raise ValueError(
-                f"Argument `devices` must hold device name strings. Received: {devices!r}"
-            )
-        if len(set(devices)) != len(devices):
-            raise ValueError(f"Argument `devices` repeats a device. Received: {devices!r}")
 
 
 def communication_options(implementation="auto", bytes_per_pack=0, timeout_seconds=None):
@@ -87,13 +54,16 @@ def strategy(
     implementation: str = "auto",
     bytes_per_pack: int = 0,
     timeout_seconds: float | None = None,
+    cross_device_ops=None,
 ):
     """Creates (once) and returns the `tf.distribute.Strategy` for this process.
 
-    Call it at the start of the program, after setting `TF_CONFIG` (or under Slurm, or
-    under `keras-dist launch`) and after `keras_dist.virtual_devices()` if used, and
-    before building the model. Calling it again with the same arguments returns the
-    same strategy.
+    Call it after setting `TF_CONFIG` (or under Slurm, or under `keras-dist launch`)
+    and after `keras_dist.virtual_devices()` if used, and before building the model.
+    Datasets and tensors may be built before it, also in a multi-worker job, as long as
+    `import keras_dist` came before the first TensorFlow op. Calling it again with
+    arguments that resolve to the same strategy returns the same object (on a CPU-only
+    worker `implementation="auto"` and `"ring"` are the same).
 
     Args:
         kind: `"auto"` (choose from the cluster and devices), or force `"mirrored"`,
@@ -115,16 +85,24 @@ def strategy(
             training step of a small model, so 600 s at 10 steps/s keeps ~36,000
             threads alive, beyond many containers' pid limits). Set it for debugging
             hangs, or where steps are slow enough that the thread count stays small.
+        cross_device_ops: A `tf.distribute.CrossDeviceOps` instance for
+            `MirroredStrategy` (e.g. `tf.distribute.HierarchicalCopyAllReduce()`), as
+            `tf.distribute.MirroredStrategy(cross_device_ops=...)` takes; only with
+            `kind="auto"`/`"mirrored"` in one process and `implementation="auto"`. The
+            same instance gives back the same strategy.
 
     Returns:
-        A `tf.distribute.MultiWorkerMirroredStrategy`, `tf.distribute.MirroredStrategy`,
-        `tf.distribute.OneDeviceStrategy` or TensorFlow's default strategy.
+        A `tf.distribute.MultiWorkerMirroredStrategy`, or (in one process) a
+        `tf.distribute.MirroredStrategy` or `tf.distribute.OneDeviceStrategy` subclass
+        whose `cluster_resolver` describes the lone process.
 
     Raises:
         ValueError: An argument is invalid, or `kind` contradicts the cluster/devices.
         keras_dist.ClusterConfigError: TF_CONFIG or the Slurm variables are invalid.
         RuntimeError: A multi-worker strategy with other settings already exists in this
-            process, or TensorFlow initialised too early for it.
+            process (the message names the differing arguments), or TensorFlow ran an op
+            before `import keras_dist` in a multi-worker job (the message says what to
+            move).
 
     Example:
         >>> import keras, keras_dist
@@ -132,28 +110,34 @@ def strategy(
         ...     model = keras.Sequential([keras.layers.Dense(10)])
         ...     model.compile(optimizer="sgd", loss="mse")
     """
-    _validate(kind, devices, implementation, bytes_per_pack, timeout_seconds)
+    _validate(kind, devices, implementation, bytes_per_pack, timeout_seconds,
+              cross_device_ops)
     cluster = ClusterConfig.from_env()
+    if cross_device_ops is not None and cluster.is_multi_worker:
+        raise ValueError(
+            f"Argument `cross_device_ops` only applies to MirroredStrategy, but the cluster "
+            f"({cluster.source}) has {cluster.num_workers} workers, so keras_dist.strategy() "
+            "builds a MultiWorkerMirroredStrategy. Choose its all-reduce with "
+            "`implementation` instead. "
+            f"Received: cross_device_ops={cross_device_ops!r}"
+        )
     resolved_kind, resolved_devices = _choose(kind, devices, cluster)
+    implementation = _normalized_implementation(implementation)
+    # CrossDeviceOps compare by identity: the same instance, the same strategy.
     key = (resolved_kind, resolved_devices, implementation, bytes_per_pack,
-           timeout_seconds, cluster)
+           timeout_seconds, cluster, cross_device_ops)
     # The most recently requested strategy is the one `strategy=None` means.
     existing = _runtime.find(key)
     if existing is not None:
         return existing.strategy
     for created in _runtime.created():
         if created.kind == "multi_worker":
-            raise RuntimeError(
-                "A MultiWorkerMirroredStrategy already exists in this process (created by "
-                f"keras_dist.strategy() with kind/devices/options {created.key[:5]}); "
-                "TensorFlow allows only one per process. Call keras_dist.strategy() with "
-                "the same arguments to get it back, or start a new process."
-            )
+            raise RuntimeError(_second_multi_worker_message(created.key, key))
     from keras_dist import compat
 
     compat.apply()
     built = _build(resolved_kind, resolved_devices, cluster, implementation,
-                   bytes_per_pack, timeout_seconds)
+                   bytes_per_pack, timeout_seconds, cross_device_ops)
     _runtime.remember(_runtime.Created(key=key, strategy=built, kind=resolved_kind,
                                        cluster=cluster))
     return built
@@ -197,13 +181,20 @@ def _choose(kind, devices, cluster):
         return "one_device", devices[:1]
     if kind == "mirrored":
         return "mirrored", devices
-    return ("mirrored", devices) if len(devices) > 1 else ("default", devices)
+    # One device too: `tf.distribute.MirroredStrategy()` does the same on a one-GPU or
+    # CPU machine, and Keras relies on a strategy to build optimizer slots eagerly
+    # (without one it builds them inside the traced step, which breaks for models
+    # around a `TFSMLayer`: "'..._kernel:0_momentum' is not a valid scope name").
+    return "mirrored", devices
 
 
-def _build(kind, devices, cluster, implementation, bytes_per_pack, timeout_seconds):
+def _build(kind, devices, cluster, implementation, bytes_per_pack, timeout_seconds,
+           cross_device_ops=None):
     import tensorflow as tf
 
     if kind == "multi_worker":
+        from keras_dist import _early_init
+
         options = communication_options(implementation, bytes_per_pack, timeout_seconds)
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec({k: list(v) for k, v in cluster.cluster.items()}),
@@ -211,18 +202,27 @@ def _build(kind, devices, cluster, implementation, bytes_per_pack, timeout_secon
             task_id=cluster.task_index,
             rpc_layer=cluster.rpc_layer,
         )
-        return tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=resolver, communication_options=options
-        )
+        try:
+            return tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=resolver, communication_options=options
+            )
+        except (RuntimeError, ValueError) as error:
+            explained = _early_init.startup_error(cluster, error)
+            if explained is None:
+                raise
+            raise explained from None
+    from keras_dist import _local_strategies
+
+    resolver = _local_strategies.cluster_resolver_for(cluster)
     if kind == "mirrored":
-        cross_device_ops = _mirrored_cross_device_ops(devices, implementation,
-                                                       bytes_per_pack)
-        return tf.distribute.MirroredStrategy(
-            devices=list(devices), cross_device_ops=cross_device_ops
+        if cross_device_ops is None:
+            cross_device_ops = _mirrored_cross_device_ops(devices, implementation,
+                                                           bytes_per_pack)
+        return _local_strategies.MirroredStrategy(
+            devices=list(devices), cross_device_ops=cross_device_ops,
+            cluster_resolver=resolver,
         )
-    if kind == "one_device":
-        return tf.distribute.OneDeviceStrategy(devices[0])
-    return tf.distribute.get_strategy()
+    return _local_strategies.OneDeviceStrategy(devices[0], cluster_resolver=resolver)
 
 
 def _mirrored_cross_device_ops(devices, implementation, bytes_per_pack):

@@ -54,10 +54,32 @@ def _factory_choices():
 
 
 def _no_cluster_choice():
+    import tensorflow as tf
+
     import keras_dist
 
     chosen = keras_dist.strategy()
-    return type(chosen).__name__, chosen.num_replicas_in_sync, keras_dist.num_workers()
+    # The line of TensorFlow's multi-worker tutorial, unchanged.
+    task_type, task_id = chosen.cluster_resolver.task_type, chosen.cluster_resolver.task_id
+    plain = tf.distribute.MultiWorkerMirroredStrategy().cluster_resolver
+    hierarchical = tf.distribute.HierarchicalCopyAllReduce()
+    with_ops = keras_dist.strategy(cross_device_ops=hierarchical)
+    return {
+        "name": type(chosen).__name__,
+        "is_mirrored": isinstance(chosen, tf.distribute.MirroredStrategy),
+        "replicas": chosen.num_replicas_in_sync,
+        "workers": keras_dist.num_workers(),
+        "resolver": [task_type, task_id, chosen.cluster_resolver.cluster_spec().as_dict()],
+        "plain_resolver": [plain.task_type, plain.task_id, plain.cluster_spec().as_dict()],
+        "one_device_resolver": keras_dist.strategy("one_device").cluster_resolver.task_type,
+        "ring_is_auto": keras_dist.strategy(implementation="ring") is chosen,
+        "cross_device_ops": [
+            with_ops is not chosen,
+            with_ops is keras_dist.strategy(cross_device_ops=hierarchical),
+            with_ops is not keras_dist.strategy(
+                cross_device_ops=tf.distribute.HierarchicalCopyAllReduce()),
+        ],
+    }
 
 
 def _multi_worker_choice():
@@ -71,7 +93,17 @@ def _multi_worker_choice():
         chosen.run(lambda: tf.constant(float(keras_dist.worker_index() + 1))),
         axis=None,
     )
+    resolver = chosen.cluster_resolver
+    try:
+        keras_dist.strategy(bytes_per_pack=1024)
+        different = None
+    except RuntimeError as error:
+        different = str(error)
     return {
+        "resolver": [resolver.task_type, resolver.task_id],
+        "ring_is_auto": keras_dist.strategy(implementation="ring") is chosen,
+        "different_request": different,
+        "local_devices": keras_dist.local_devices(),
         "type": "MultiWorkerMirroredStrategy"
         if isinstance(chosen, tf.distribute.MultiWorkerMirroredStrategy)
         else type(chosen).__name__,
@@ -84,11 +116,18 @@ def _multi_worker_choice():
     }
 
 
-def test_no_cluster_gives_one_replica():
-    name, replicas, workers = run_in_subprocess(_no_cluster_choice, timeout=120)
-    assert replicas == 1
-    assert workers == 1
-    assert name == "_DefaultDistributionStrategy"
+def test_no_cluster_gives_one_device_mirrored_with_a_cluster_resolver():
+    result = run_in_subprocess(_no_cluster_choice, timeout=120)
+    assert result["replicas"] == 1
+    assert result["workers"] == 1
+    # Like tf.distribute.MirroredStrategy() on a CPU machine, not the default strategy.
+    assert result["name"] == "MirroredStrategy" and result["is_mirrored"]
+    # Like MultiWorkerMirroredStrategy in one process: task type and id None, no cluster.
+    assert result["resolver"] == result["plain_resolver"] == [None, None, {}]
+    assert result["one_device_resolver"] is None
+    # On a CPU-only machine implementation="auto" is "ring": the same strategy.
+    assert result["ring_is_auto"]
+    assert result["cross_device_ops"] == [True, True, True]
 
 
 def test_four_virtual_devices_give_mirrored_with_four_replicas():
@@ -120,6 +159,15 @@ def test_two_launched_workers_give_multi_worker_strategy():
     assert [r["is_chief"] for r in results] == [True, False]
     assert [r["worker_index"] for r in results] == [0, 1]
     assert [r["num_workers"] for r in results] == [2, 2]
+    assert [r["resolver"] for r in results] == [["worker", 0], ["worker", 1]]
+    # On CPU workers "auto" is RING: asking for "ring" again is the same strategy ...
+    assert all(r["ring_is_auto"] for r in results)
+    # ... but a genuinely different request is refused, naming what differs.
+    for r in results:
+        assert "bytes_per_pack=1024 (the existing one has 0)" in r["different_request"]
+    # Only this worker's device, although TensorFlow lists the peer's too.
+    assert [r["local_devices"] for r in results] == [
+        [f"/job:worker/replica:0/task:{i}/device:CPU:0"] for i in (0, 1)]
 
 
 # -- argument validation (no TF runtime needed beyond import) -------------------------
@@ -135,6 +183,7 @@ def test_two_launched_workers_give_multi_worker_strategy():
         ({"devices": "/cpu:0"}, "devices"),
         ({"devices": []}, "devices"),
         ({"devices": ["/cpu:0", "/cpu:0"]}, "devices"),
+        ({"cross_device_ops": "nccl"}, "cross_device_ops"),
     ],
 )
 def test_bad_arguments_name_the_field(kwargs, field):
@@ -156,6 +205,26 @@ def test_mirrored_with_multi_worker_cluster_is_refused(monkeypatch):
         keras_dist.strategy("mirrored")
     with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
         keras_dist.strategy(devices=["/cpu:0"])
+
+
+def test_cross_device_ops_conflicts_are_refused(monkeypatch):
+    import tensorflow as tf
+
+    import keras_dist
+
+    ops = tf.distribute.ReductionToOneDevice()
+    with pytest.raises(ValueError, match="`cross_device_ops` and `implementation`.*"
+                       "implementation='ring'"):
+        keras_dist.strategy(implementation="ring", cross_device_ops=ops)
+    with pytest.raises(ValueError, match="only applies to MirroredStrategy.*one_device"):
+        keras_dist.strategy("one_device", cross_device_ops=ops)
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        json.dumps({"cluster": {"worker": ["127.0.0.1:1111", "127.0.0.1:1112"]},
+                    "task": {"type": "worker", "index": 0}}),
+    )
+    with pytest.raises(ValueError, match="`cross_device_ops`.*2 workers"):
+        keras_dist.strategy(cross_device_ops=ops)
 
 
 def test_bad_tf_config_surfaces_as_cluster_config_error(monkeypatch):
