@@ -25,6 +25,14 @@ from keras_dist.devices import local_devices, physical_devices, virtual_devices
 # is the factory function, not the submodule of the same name.
 from keras_dist.strategy import resolve_strategy, strategy
 
+# The one import-time side effect (house rule 4), only under a multi-worker TF_CONFIG or
+# Slurm job: TensorFlow's collective ops must be configured before its first op, so that
+# datasets and tensors may be built before keras_dist.strategy(). A lone process is
+# untouched and TensorFlow is not even imported.
+from keras_dist import _early_init  # noqa: E402
+
+_early_init.configure_collectives_at_import()
+
 __version__ = "0.1.0"
 
 # Public name -> module that defines it; imported on first access (PEP 562).

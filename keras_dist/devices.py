@@ -47,23 +47,49 @@ def physical_devices(device_type: str | None = None) -> list[str]:
 
 
 def local_devices(device_type: str | None = None) -> list[str]:
-    """Names of the logical devices of this process (initialises the TF runtime).
+    """Names of this process's logical devices (initialises the TF runtime).
 
     With no `device_type`, the GPUs if there are any, else the CPUs: the devices a
-    MirroredStrategy on this machine would replicate over.
+    MirroredStrategy on this machine would replicate over. In a multi-worker job
+    TensorFlow also lists the other workers' devices once the collective server runs;
+    only this worker's are returned.
+
+    Args:
+        device_type: `"GPU"`, `"CPU"`, or `None` for the GPUs, else the CPUs.
 
     Returns:
-        Names such as `"/job:localhost/replica:0/task:0/device:GPU:0"`.
-    """
-    import tensorflow as tf
+        Names such as `"/job:localhost/replica:0/task:0/device:GPU:0"` (alone) or
+        `"/job:worker/replica:0/task:1/device:CPU:0"` (worker 1 of a job).
 
+    Raises:
+        ValueError: `device_type` is not `"CPU"`, `"GPU"` or `None`.
+
+    Example:
+        >>> import keras_dist
+        >>> keras_dist.local_devices("CPU")
+        ['/job:localhost/replica:0/task:0/device:CPU:0']
+    """
     device_type = _check_device_type(device_type)
     if device_type is None:
-        gpus = tf.config.list_logical_devices("GPU")
-        return [d.name for d in gpus] if gpus else [
-            d.name for d in tf.config.list_logical_devices("CPU")
-        ]
-    return [d.name for d in tf.config.list_logical_devices(device_type)]
+        return _own_logical_devices("GPU") or _own_logical_devices("CPU")
+    return _own_logical_devices(device_type)
+
+
+def _own_logical_devices(device_type: str) -> list[str]:
+    import tensorflow as tf
+
+    from keras_dist import _runtime
+
+    names = []
+    for device in tf.config.list_logical_devices(device_type):
+        spec = tf.DeviceSpec.from_string(device.name)
+        if spec.job not in (None, "localhost"):
+            # Only a multi-worker server names jobs; ask for the cluster only then.
+            cluster = _runtime.cluster()
+            if (spec.job, spec.task or 0) != (cluster.task_type, cluster.task_index):
+                continue
+        names.append(device.name)
+    return names
 
 
 def virtual_devices(
@@ -139,6 +165,11 @@ def virtual_devices(
             "Call virtual_devices() at the top of the script, or restart the notebook "
             f"kernel and call it first. (TensorFlow said: {error})"
         ) from None
+    from keras_dist import _early_init
+
+    # In a multi-worker job the server that the first op starts creates the devices
+    # from the definition recorded at import; it must see the new layout.
+    _early_init.refresh_server_def()
     return names
 
 

@@ -1,0 +1,187 @@
+"""Prepare TensorFlow for multi-worker collectives at import time, under a multi-worker job only.
+
+TensorFlow fixes a process's collective-ops settings and its device names when its runtime
+initialises, at the first op. `MultiWorkerMirroredStrategy()` sets them when it is created,
+so a script that builds a `tf.data` pipeline or a tensor first (as TensorFlow's tutorials
+do) dies with "Collective ops must be configured at program startup" (TensorFlow's TODO
+b/129298253); and even where that is avoided, the tensors made before the strategy live on
+`/job:localhost` devices that vanish when the strategy starts the worker's server ("unknown
+device"). So while `import keras_dist` runs, before any op, this module hands TensorFlow
+exactly what the strategy will: the collective-ops settings, the coordination service and
+the server definition of this task. The first op then starts this task's server (it waits
+for the peers, as creating the strategy does), tensors and datasets are born on this
+worker's devices, and the strategy's own calls later find everything already in place.
+
+This is house rule 4's one sanctioned import-time side effect. It happens only when
+`ClusterConfig.from_env()` describes more than one worker (TF_CONFIG or a Slurm job); a lone
+process is untouched (TensorFlow is not even imported), and the runtime is never
+initialised here, so `keras_dist.virtual_devices()` still works after `import keras_dist`.
+A bad TF_CONFIG is left for `keras_dist.strategy()` to report.
+
+Every private TensorFlow symbol it uses is in `_configure_collectives` and
+`_server_def` (there is no public API for any of this).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from keras_dist.cluster import ClusterConfig, ClusterConfigError
+
+# TensorFlow's own literal in CollectiveAllReduceExtended._initialize_multi_worker; the
+# values must be equal to TF's, or TF raises "Collective ops are already configured".
+_SCOPED_ALLOCATOR_OPS = ("CollectiveReduce",)
+_STARTUP_MESSAGE = "Collective ops must be configured at program startup"
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyInitState:
+    """What the import-time hook did, for `strategy()`'s error messages.
+
+    Attributes:
+        cluster: The multi-worker cluster seen at import, or None.
+        configured: True when TensorFlow was prepared before its first op.
+        too_late: True when TensorFlow had already run an op before `import keras_dist`.
+    """
+
+    cluster: ClusterConfig | None = None
+    configured: bool = False
+    too_late: bool = False
+
+
+state = EarlyInitState()
+
+
+def configure_collectives_at_import() -> EarlyInitState:
+    """Prepares TensorFlow for this task when the environment is a multi-worker job.
+
+    Never raises: a bad cluster description or an unexpected TensorFlow version leaves
+    TensorFlow untouched, and `keras_dist.strategy()` reports the problem.
+
+    Returns:
+        The `EarlyInitState`, also stored in the module's `state`.
+    """
+    global state
+    try:
+        cluster = ClusterConfig.from_env()
+    except ClusterConfigError:
+        return state
+    if not cluster.is_multi_worker:
+        return state
+    try:
+        _configure_collectives(cluster)
+    except RuntimeError:
+        state = EarlyInitState(cluster=cluster, too_late=True)
+    except (ValueError, ImportError, AttributeError, TypeError):
+        # Already configured differently by the user, or a TensorFlow without these
+        # internals: leave TensorFlow's own behaviour in place.
+        state = EarlyInitState(cluster=cluster)
+    else:
+        state = EarlyInitState(cluster=cluster, configured=True)
+    return state
+
+
+def refresh_server_def() -> None:
+    """Re-records the server definition after the device layout changed before startup.
+
+    The server that the first op starts creates this task's devices from the recorded
+    definition, so `keras_dist.virtual_devices()` calls this after changing the layout.
+    """
+    if state.configured:
+        from tensorflow.python.eager import context
+
+        context.context().enable_collective_ops(_server_def(state.cluster))
+
+
+def startup_error(cluster: ClusterConfig, error: Exception) -> RuntimeError | None:
+    """keras_dist's explanation of TensorFlow's 'configured at program startup' error."""
+    if _STARTUP_MESSAGE not in str(error) and "already configured" not in str(error):
+        return None
+    if state.too_late:
+        what = (
+            "TensorFlow ran an op (a tensor, a tf.data pipeline, a device listing) "
+            "before `import keras_dist`, so keras_dist could not prepare its collective "
+            "ops. Move `import keras_dist` above the first TensorFlow op"
+        )
+    elif state.cluster != cluster:
+        what = (
+            f"the cluster changed after `import keras_dist` (at import: "
+            f"{_describe(state.cluster)}; now: {_describe(cluster)}) and TensorFlow ran "
+            "an op before keras_dist.strategy(). Set TF_CONFIG (or the Slurm variables) "
+            "in the environment before the script starts, or before `import keras_dist`"
+        )
+    else:
+        what = "TensorFlow's collective ops were configured by other code first"
+    return RuntimeError(
+        f"keras_dist.strategy() cannot start the multi-worker strategy: {what}, or call "
+        "keras_dist.strategy() before building tensors or datasets. "
+        f"(TensorFlow said: {error})"
+    )
+
+
+def _describe(cluster: ClusterConfig | None) -> str:
+    if cluster is None:
+        return "no multi-worker cluster"
+    return f"{cluster.num_workers} workers, this task {cluster.task_type}:{cluster.task_index}"
+
+
+def _configure_collectives(cluster: ClusterConfig) -> None:
+    """Applies `MultiWorkerMirroredStrategy`'s settings before the first op.
+
+    Private TensorFlow symbols (no public API exists): the methods
+    `configure_collective_ops`, `configure_coordination_service` and
+    `enable_collective_ops` of `tensorflow.python.eager.context.context()`;
+    `tensorflow.python.distribute.multi_worker_util.collective_leader` /
+    `coordination_leader` (so the values are TF's); the protos
+    `tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2.CoordinatedJob`.
+    """
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    cluster_spec = _cluster_spec(cluster)
+    task_type, task_id = cluster.task_type, cluster.task_index
+    runtime = context.context()
+    runtime.configure_collective_ops(
+        collective_leader=multi_worker_util.collective_leader(
+            cluster_spec, task_type, task_id
+        ),
+        scoped_allocator_enabled_ops=_SCOPED_ALLOCATOR_OPS,
+        device_filters=(f"/job:{task_type}/task:{task_id}",),
+    )
+    if runtime.coordination_service is None:
+        # The coordination service turns a dead peer into an error on the survivors;
+        # configured after startup it would not be effective.
+        runtime.configure_coordination_service(
+            service_type="standalone",
+            service_leader=multi_worker_util.coordination_leader(cluster_spec),
+            coordinated_jobs=[
+                coordination_config_pb2.CoordinatedJob(
+                    name=job, num_tasks=cluster_spec.num_tasks(job)
+                )
+                for job in ("chief", "worker")
+                if job in cluster_spec.jobs
+            ],
+        )
+    runtime.enable_collective_ops(_server_def(cluster))
+
+
+def _cluster_spec(cluster: ClusterConfig):
+    import tensorflow as tf
+
+    return tf.train.ClusterSpec({k: list(v) for k, v in cluster.cluster.items()})
+
+
+def _server_def(cluster: ClusterConfig):
+    """The `ServerDef` `MultiWorkerMirroredStrategy` builds for this task."""
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+    from tensorflow.python.eager import context
+
+    return tensorflow_server_pb2.ServerDef(
+        cluster=_cluster_spec(cluster).as_cluster_def(),
+        default_session_config=context.context().config,
+        job_name=cluster.task_type,
+        task_index=cluster.task_index,
+        protocol=cluster.rpc_layer or "grpc",
+        port=0,
+    )
