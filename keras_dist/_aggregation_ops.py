@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 COMPRESSIONS = {None: None, "bf16": "bfloat16", "fp16": "float16"}
+# Same width as bfloat16 and accepted by every gather collective (see `compress`).
+_SPARSE_BF16_CARRIER = "float16"
 
 
 def _tf():
@@ -100,6 +102,14 @@ def compress(grads: Sequence, compression: str | None) -> list:
 
     `compression=None` is the identity. Gradients already as narrow as the target (e.g.
     float16 gradients with "bf16") are left alone rather than widened or re-rounded.
+
+    Sparse gradients (`tf.IndexedSlices`) are all-reduced by *gathering* their rows,
+    never by adding them, and TensorFlow's gather collective (`CollectiveGatherV2`, used
+    by MultiWorkerMirroredStrategy) has no bfloat16 type. So with "bf16" their values
+    are rounded to bfloat16 and then bit-cast to a float16 *carrier* of the same size:
+    the bytes on the wire are bf16's, the collective sees a type it supports, and
+    `decompress(..., "bf16")` bit-casts them back. Gathering moves bits unchanged, so
+    the round trip is exact.
     """
     tf = _tf()
     target = COMPRESSIONS[compression]
@@ -112,17 +122,34 @@ def compress(grads: Sequence, compression: str | None) -> list:
             out.append(None)
             continue
         dtype = _dtype(grad)
-        wider = dtype.is_floating and dtype.size > target.size
-        out.append(_cast(grad, target) if wider else grad)
+        if not (dtype.is_floating and dtype.size > target.size):
+            out.append(grad)
+        elif isinstance(grad, tf.IndexedSlices) and target == tf.bfloat16:
+            values = tf.bitcast(tf.cast(grad.values, tf.bfloat16), _SPARSE_BF16_CARRIER)
+            out.append(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
+        else:
+            out.append(_cast(grad, target))
     return out
 
 
-def decompress(grads: Sequence, dtypes: Sequence) -> list:
-    """Casts each gradient back to its original dtype (the inverse of `compress`)."""
-    return [
-        None if grad is None else (grad if _dtype(grad) == dtype else _cast(grad, dtype))
-        for grad, dtype in zip(grads, dtypes)
-    ]
+def decompress(grads: Sequence, dtypes: Sequence, compression: str | None = None) -> list:
+    """Casts each gradient back to its original dtype (the inverse of `compress`).
+
+    Pass the `compression` given to `compress`, so that bf16 sparse values travelling
+    in their float16 carrier are bit-cast back before the cast.
+    """
+    tf = _tf()
+    out = []
+    for grad, dtype in zip(grads, dtypes):
+        if grad is None or _dtype(grad) == dtype:
+            out.append(grad)
+            continue
+        if (compression == "bf16" and isinstance(grad, tf.IndexedSlices)
+                and grad.values.dtype == _SPARSE_BF16_CARRIER):
+            values = tf.bitcast(grad.values, tf.bfloat16)
+            grad = tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+        out.append(_cast(grad, dtype))
+    return out
 
 
 def dtypes_of(grads: Sequence) -> list:

@@ -67,6 +67,7 @@ tests and benchmarks can check "once per k steps".
 
 from __future__ import annotations
 
+from keras_dist import _accumulation as accumulation
 from keras_dist import _aggregation_ops as gops
 from keras_dist._aggregation_config import AggregationConfig
 
@@ -162,28 +163,7 @@ class GradientAggregator:
 
     @staticmethod
     def _make_accumulators(optimizer, config):
-        import tensorflow as tf
-
-        if config.accumulation_steps == 1:
-            return []
-        if not optimizer.built:
-            raise ValueError(
-                "accumulation_steps > 1 needs a built optimizer to size its accumulators. "
-                "Build the model (e.g. start it with keras.Input) and call "
-                "optimizer.build(model.trainable_variables) first."
-            )
-        accumulators = []
-        for variable in optimizer._trainable_variables:
-            dtype = tf.as_dtype(variable.dtype)
-            if dtype.is_floating and dtype.size < 4:
-                dtype = tf.float32  # accumulate 16-bit gradients in float32
-            accumulators.append(tf.Variable(
-                tf.zeros(variable.shape, dtype), trainable=False,
-                name="keras_dist_accumulator",
-                synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.SUM,
-            ))
-        return accumulators
+        return accumulation.make_accumulators(optimizer, config.accumulation_steps)
 
     # -- what callbacks and tests read ------------------------------------------------
     @property
@@ -241,13 +221,7 @@ class GradientAggregator:
         accumulators = [
             self._accumulators[owner._get_variable_index(v)] for v in trainable_variables
         ]
-        for accumulator, grad in zip(accumulators, grads):
-            if isinstance(grad, tf.IndexedSlices):
-                accumulator.scatter_add(tf.IndexedSlices(
-                    tf.cast(grad.values, accumulator.dtype), grad.indices, grad.dense_shape
-                ))
-            else:
-                accumulator.assign_add(tf.cast(grad, accumulator.dtype))
+        accumulation.accumulate(accumulators, grads)
         self._micro_steps.assign_add(1)
         is_update = tf.equal(self._micro_steps.read_value() % steps, 0)
         # `apply()` adds 1 to `_iterations` after this returns; undo it on steps that
@@ -256,9 +230,7 @@ class GradientAggregator:
         iterations.assign_sub(tf.cast(tf.logical_not(is_update), iterations.dtype))
 
         def update():
-            averaged = [accumulator.read_value() / steps for accumulator in accumulators]
-            for accumulator in accumulators:
-                accumulator.assign(tf.zeros_like(accumulator))
+            averaged = accumulation.read_and_reset(accumulators, steps)
             self._reduce_and_apply(averaged, trainable_variables)
 
         gops.replica_cond(is_update, update, lambda: None)
@@ -271,13 +243,16 @@ class GradientAggregator:
             self._finish(grads, trainable_variables)
             return
         dtypes = gops.dtypes_of(grads)
-        reduced = self._all_reduce(gops.compress(grads, self.config.compression))
-        if self.config.compression != "fp16":
-            self._finish(gops.decompress(reduced, dtypes), trainable_variables)
+        compression = self.config.compression
+        reduced = self._all_reduce(gops.compress(grads, compression))
+        if compression != "fp16":
+            self._finish(gops.decompress(reduced, dtypes, compression),
+                         trainable_variables)
             return
 
         def use_fp16_sum(reduced, grads):
-            self._finish(gops.decompress(reduced, dtypes), trainable_variables)
+            self._finish(gops.decompress(reduced, dtypes, compression),
+                         trainable_variables)
 
         def redo_in_original_dtype(reduced, grads):
             self._fallback_count.assign_add(1)
