@@ -3,7 +3,7 @@
 TensorFlow configures its devices and cluster once per process, so a test that wants two
 workers, or four virtual CPU devices after something already touched TensorFlow, has to
 run its code in new processes. These helpers do that with the same machinery as
-`keras_dist.notebook_launcher` and `keras-dist launch`, with a default timeout so a
+`keras_dist.notebook_launcher` and `keras-dist launch` (`keras_dist.launching`), with a default timeout so a
 deadlocked collective fails the test instead of hanging it. Collect results as return
 values and assert in the test process.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from keras_dist.notebook import WorkerError, _run_function
+from keras_dist.launching._core import WorkerError, run_function
+from keras_dist.launching.local import Options
 
 __all__ = ["WorkerError", "run_in_subprocess", "run_on_workers"]
 
@@ -60,10 +61,8 @@ def run_on_workers(
         >>> run_on_workers(task_index, num_workers=2)
         [0, 1]
     """
-    return _run_function(
-        fn, args=args, kwargs=kwargs, num_workers=num_workers, timeout=timeout, env=env,
-        virtual_devices=virtual_devices, caller="run_on_workers",
-    )
+    return run_function("run_on_workers", fn, args, kwargs, num_workers,
+                        Options(env=env, timeout=timeout), virtual_devices)
 
 
 def run_in_subprocess(
@@ -103,8 +102,7 @@ def run_in_subprocess(
         >>> run_in_subprocess(replicas, virtual_devices=4)
         4
     """
-    (value,) = _run_function(
-        fn, args=args, kwargs=kwargs, num_workers=1, timeout=timeout, env=env,
-        virtual_devices=virtual_devices, caller="run_in_subprocess", multi_worker=False,
-    )
+    (value,) = run_function("run_in_subprocess", fn, args, kwargs, 1,
+                            Options(env=env, timeout=timeout, set_tf_config=False),
+                            virtual_devices)
     return value

@@ -3,7 +3,7 @@
 The seed is the classic tf.distribute MNIST MLP (784 -> 100 -> 10). Here the data is
 scikit-learn's `load_digits` (1,797 8x8 images, shipped inside scikit-learn: no
 download), so the model is 64 -> 100 -> 10. The parent process starts the workers with
-`keras_dist.launch.launch` (loopback ports, TF_CONFIG each); each worker runs `train()`.
+`keras_dist.launching.launch` (loopback ports, TF_CONFIG each); each worker runs `train()`.
 
     keras-dist demo                 # 2 workers
     keras-dist demo --workers 3 --epochs 10
@@ -12,7 +12,6 @@ download), so the model is 64 -> 100 -> 10. The parent process starts the worker
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Sequence
@@ -34,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="SGD learning rate for one replica, scaled linearly (default 0.05)")
     parser.add_argument("--timeout", type=float, default=600,
                         help="stop the workers after this many seconds (default 600)")
+    parser.add_argument("--verbose", action="store_true", default=None,
+                        help="keep TensorFlow's start-up logs (also KERAS_DIST_TF_LOGS=1)")
     parser.add_argument(_WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -127,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.run_as_worker:
         train(args.epochs, args.per_replica_batch, args.learning_rate)
         return 0
-    from keras_dist.launch import launch
+    from keras_dist.launching.local import launch
 
     command = [
         sys.executable, "-m", "keras_dist.examples.demo", _WORKER_FLAG,
@@ -135,9 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--per-replica-batch", str(args.per_replica_batch),
         "--learning-rate", str(args.learning_rate),
     ]
-    print(f"keras-dist demo: training on {args.workers} local worker(s) "
-          f"(TF_CPP_MIN_LOG_LEVEL={os.environ.get('TF_CPP_MIN_LOG_LEVEL', '2')})", flush=True)
-    result = launch(command, num_workers=args.workers, timeout=args.timeout)
+    print(f"keras-dist demo: training on {args.workers} local worker(s)", flush=True)
+    result = launch(command, num_workers=args.workers, timeout=args.timeout,
+                    verbose=args.verbose)
     return result.returncode
 
 

@@ -1,7 +1,8 @@
 """Stopping a launched worker group, with every process it started, and never hanging.
 
-Used by `launch.py`. A "worker" here is anything with a `.process` attribute holding a
-`subprocess.Popen` started in its own session (so its pid is also its process group).
+Used by `keras_dist.launching.local`. A "worker" here is anything with a `.process`
+attribute holding a `subprocess.Popen` started in its own session (so its pid is also its
+process group).
 """
 
 from __future__ import annotations

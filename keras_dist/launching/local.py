@@ -1,0 +1,413 @@
+"""Start N local training workers with TF_CONFIG on loopback ports, and fail fast.
+
+`launch()` is the library form of `keras-dist launch`: it starts `num_workers` copies of a
+command, each with its own `TF_CONFIG` (a worker-only cluster on free `127.0.0.1` ports),
+streams their merged stdout/stderr prefixed `[worker i] ` (live progress bars from the
+chief on a terminal, no '\\r' garbage elsewhere, TensorFlow's start-up noise dropped),
+and stops every worker as soon as one fails, so a dead peer never leaves the others
+blocked in a collective. When workers fail, its last lines name the first one and end
+with its traceback. `notebook_launcher` and `keras_dist.testing` run functions through
+the same machinery (`keras_dist.launching._core`).
+
+Local mode is for development and tests. On a real cluster the scheduler (Kubeflow TFJob,
+Slurm, ...) starts the processes and sets TF_CONFIG; keras_dist only reads it. POSIX only:
+workers are managed as sessions and process groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Mapping, Sequence
+
+from keras_dist import _validation
+from keras_dist.cluster import make_tf_config
+from keras_dist.launching import output as _output
+from keras_dist.launching.processes import POLL_INTERVAL, stop_workers
+
+__all__ = ["LaunchResult", "free_ports", "launch", "launch_script", "TIMEOUT_RETURNCODE"]
+
+TIMEOUT_RETURNCODE = 124  # What GNU `timeout` returns, so shell scripts can tell.
+TAG = "keras-dist launch"
+_READER_JOIN = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchResult:
+    """What happened to a launched worker group.
+
+    Attributes:
+        returncode: 0 when every worker succeeded; else the first failing worker's exit
+            code (`128 + signum` when it was killed by a signal), or 124 on timeout.
+        worker_returncodes: Each worker's exit status in the last attempt, as `subprocess`
+            reports it (`-N` for signal N), by worker index.
+        failed_worker: Index of the worker whose failure stopped the group, else `None`.
+        restarts: How many times the group was restarted (`<= max_restarts`).
+        message: One line saying what happened, e.g.
+            `"keras-dist launch: worker 1 exited with code 3"`.
+        timed_out: True when the group was stopped because `timeout` elapsed.
+    """
+
+    returncode: int
+    worker_returncodes: tuple[int | None, ...]
+    failed_worker: int | None
+    restarts: int
+    message: str
+    timed_out: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Everything about a launch but the command and the worker count (validated)."""
+
+    max_restarts: int = 0
+    env: Mapping[str, str | None] | None = None
+    timeout: float | None = None
+    stdout: IO[str] | None = None
+    prefix: bool = True
+    grace_period: float = 10.0
+    log_dir: str | None = None
+    tee: bool = False
+    verbose: bool | None = None
+    set_tf_config: bool = True  # False runs lone processes (run_in_subprocess)
+
+
+def free_ports(n: int) -> list[int]:
+    """Returns `n` distinct TCP ports that were free on 127.0.0.1 a moment ago.
+
+    All sockets are bound at once so the kernel cannot hand out the same port twice.
+    (Another process can still take a port before the worker binds it; `max_restarts`
+    covers that rare case, with fresh ports for each restart.)
+
+    Args:
+        n: How many ports.
+
+    Returns:
+        A list of `n` port numbers.
+
+    Example:
+        >>> len(set(free_ports(3)))
+        3
+    """
+    _validation.check_int("n", n, minimum=0)
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def launch(
+    command: Sequence[str],
+    num_workers: int = 2,
+    *,
+    max_restarts: int = 0,
+    env: Mapping[str, str | None] | None = None,
+    timeout: float | None = None,
+    stdout: IO[str] | None = None,
+    prefix: bool = True,
+    grace_period: float = 10.0,
+    log_dir: str | os.PathLike | None = None,
+    tee: bool = False,
+    verbose: bool | None = None,
+) -> LaunchResult:
+    """Runs `num_workers` copies of `command` as one local multi-worker cluster.
+
+    Each worker gets `os.environ` updated with `env`, plus `TF_CONFIG` for its index in a
+    worker-only cluster on free loopback ports (TensorFlow's runtime has no
+    authentication, so only 127.0.0.1 is used), `KERAS_DIST_LAUNCHED=1`,
+    `KERAS_DIST_RESTART=<attempt, from 0>`, `PYTHONUNBUFFERED=1` and
+    `TF_CPP_MIN_LOG_LEVEL=2` unless set. Workers run in their own sessions; their output
+    goes to `stdout` as it comes. When a worker exits non-zero or is killed, the others
+    are stopped at once (SIGTERM, then SIGKILL after `grace_period`), including any
+    processes they started, and the last lines name it and end with its traceback.
+
+    Args:
+        command: The argv of one worker, e.g. `[sys.executable, "train.py", "--epochs", "3"]`.
+        num_workers: Number of workers (>= 1).
+        max_restarts: After a failure, restart the whole group (fresh ports) up to this
+            many times. Scripts resume from their backup checkpoint; `KERAS_DIST_RESTART`
+            tells them which attempt they are.
+        env: Extra environment variables; a value of `None` removes the variable.
+        timeout: Seconds for the whole launch, restarts included; then every worker is
+            stopped and the return code is 124. `None` waits forever.
+        stdout: Text stream for worker output and launcher messages. `None` writes to
+            whatever `sys.stdout` is at write time (so Jupyter and pytest capture work).
+            On a terminal the chief's progress bar is shown live.
+        prefix: Prefix each worker line with `[worker i] `.
+        grace_period: Seconds between SIGTERM and SIGKILL when stopping workers.
+        log_dir: Also write each worker's output to `log_dir/worker-<i>.log` (everything,
+            start-up logs included) and the launcher's messages to
+            `log_dir/launcher.log`; worker output then leaves `stdout` unless `tee`.
+        tee: With `log_dir`, also write worker output to `stdout`.
+        verbose: Keep TensorFlow's start-up logs and Keras' shuffle warning. `None`:
+            True when the environment variable `KERAS_DIST_TF_LOGS=1`.
+
+    Returns:
+        A `LaunchResult`; `result.returncode` is 0 when all workers succeeded.
+
+    Raises:
+        ValueError: An argument is invalid.
+        OSError: A worker could not be started (e.g. the executable does not exist);
+            workers already started are stopped first.
+        KeyboardInterrupt: The launcher was interrupted; all workers are stopped first.
+
+    Example:
+        >>> result = launch([sys.executable, "-c", "print('hi')"], num_workers=2)
+        [worker 0] hi
+        [worker 1] hi
+        >>> result.returncode
+        0
+    """
+    _validation.check_int("max_restarts", max_restarts, minimum=0)
+    _validation.check_number("grace_period", grace_period, minimum=0, exclusive=False,
+                             unit="seconds")
+    _validation.check_bool("prefix", prefix)
+    _validation.check_bool("tee", tee)
+    if verbose is not None:
+        _validation.check_bool("verbose", verbose)
+    if log_dir is not None:
+        log_dir = os.fspath(log_dir)
+    elif tee:
+        raise ValueError(_validation.message("tee", "False without `log_dir`", tee,
+                                             "Pass log_dir=... to write log files"))
+    options = Options(max_restarts, env, timeout, stdout, prefix, grace_period, log_dir,
+                      tee, verbose)
+    return run_group(command, num_workers, options)
+
+
+def launch_script(
+    script: str | os.PathLike,
+    script_args: Sequence[str] = (),
+    num_workers: int = 2,
+    **kwargs,
+) -> LaunchResult:
+    """Runs a Python script on `num_workers` local workers with this interpreter.
+
+    Same as `launch([sys.executable, script, *script_args], num_workers, **kwargs)`,
+    after checking that the script exists.
+
+    Args:
+        script: Path of the Python file (or of a directory with `__main__.py`).
+        script_args: Arguments for the script, e.g. `["--epochs", "3"]`.
+        num_workers: Number of workers (>= 1).
+        **kwargs: Keyword arguments of `launch()` (`max_restarts`, `timeout`, `env`, ...).
+
+    Returns:
+        The `LaunchResult`.
+
+    Raises:
+        FileNotFoundError: `script` does not exist.
+        ValueError: `script` is not runnable or another argument is invalid.
+
+    Example:
+        >>> result = launch_script("train.py", ["--epochs", "3"], num_workers=2)
+    """
+    path = os.fspath(script)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"Script {path!r} does not exist (looked in {os.getcwd()!r}). "
+            "Pass the path of a Python file, e.g. launch_script('train.py')."
+        )
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "__main__.py")):
+        raise ValueError(f"Script {path!r} is a directory without a __main__.py.")
+    if isinstance(script_args, (str, bytes)):
+        raise ValueError(
+            "Argument `script_args` must be a sequence of strings, not one string. "
+            f"Received: script_args={script_args!r}. Use e.g. ['--epochs', '3']."
+        )
+    return launch([sys.executable, path, *script_args], num_workers, **kwargs)
+
+
+def run_group(command: Sequence[str], num_workers: int, options: Options) -> LaunchResult:
+    """The core of every launcher: start, watch, restart, summarise."""
+    argv = _check_command(command)
+    _validation.check_int("num_workers", num_workers, minimum=1)
+    _validation.check_optional_number("timeout", options.timeout, minimum=0, unit="seconds")
+    base_env = _base_env(options)
+    if options.log_dir is not None:
+        os.makedirs(options.log_dir, exist_ok=True)
+    output = _output.Output(options.stdout, _log_path(options, "launcher"))
+    deadline = None if options.timeout is None else time.monotonic() + options.timeout
+    try:
+        restarts = 0
+        while True:
+            outcome, failed, workers = _run_attempt(argv, num_workers, base_env, restarts,
+                                                    output, options, deadline)
+            codes = tuple(worker.process.returncode for worker in workers)
+            if outcome == "ok":
+                return LaunchResult(0, codes, None, restarts,
+                                    f"{TAG}: all {num_workers} worker(s) succeeded")
+            if outcome == "timeout":
+                message = f"{TAG}: timed out after {options.timeout:g} s; stopped all workers"
+                output.message(message)
+                return LaunchResult(TIMEOUT_RETURNCODE, codes, None, restarts, message, True)
+            reason = describe_exit(failed, codes[failed])
+            out_of_time = deadline is not None and time.monotonic() >= deadline
+            if restarts < options.max_restarts and not out_of_time:
+                restarts += 1
+                output.message(f"{TAG}: restarting worker group (restart {restarts} of "
+                               f"{options.max_restarts}) after {reason}")
+                continue
+            message = f"{TAG}: {reason}" + (f" (after {restarts} restart(s))" if restarts
+                                            else "")
+            _summarise(output, workers[failed], reason, message)
+            return LaunchResult(_shell_code(codes[failed]), codes, failed, restarts, message)
+    finally:
+        output.close()
+
+
+def _summarise(output, worker, reason, message) -> None:
+    # The root cause last: other workers print a cascade of "Collective ops is aborted"
+    # after the first failure; what the user needs is the first failure's own words.
+    excerpt = _output.failure_excerpt(worker.stream.tail)
+    if excerpt:
+        output.message(f"{TAG}: root cause: {reason} (the first worker to fail); the end "
+                       f"of its output:")
+        for line in excerpt:
+            output.message(f"    {line}")
+    output.message(message)
+
+
+def _run_attempt(argv, num_workers, base_env, attempt, output, options, deadline):
+    """Starts one worker group and waits; returns (outcome, failed index, workers)."""
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
+    workers: list[_Worker] = []
+    try:
+        for index in range(num_workers):
+            env = dict(base_env, KERAS_DIST_RESTART=str(attempt))
+            if options.set_tf_config:
+                env["TF_CONFIG"] = make_tf_config(addresses, index)
+            workers.append(_Worker.start(index, argv, env, output, options, attempt))
+        outcome = _watch(workers, output, deadline)
+    except KeyboardInterrupt:
+        output.message(f"{TAG}: interrupted; stopping all workers")
+        raise
+    finally:
+        # Runs on success too: it also removes processes the workers left behind.
+        stop_workers(workers, options.grace_period)
+        for worker in workers:
+            worker.finish()
+    return outcome[0], outcome[1], workers
+
+
+def _watch(workers, output, deadline):
+    while True:
+        codes = [worker.process.poll() for worker in workers]
+        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            output.message(f"{TAG}: {describe_exit(failed[0], codes[failed[0]])}; "
+                           "stopping all workers")
+            return "failed", failed[0]
+        if all(code == 0 for code in codes):
+            return "ok", None
+        if deadline is not None and time.monotonic() >= deadline:
+            return "timeout", None
+        time.sleep(POLL_INTERVAL)
+
+
+@dataclasses.dataclass
+class _Worker:
+    index: int
+    process: subprocess.Popen
+    reader: threading.Thread
+    stream: _output.WorkerStream
+    log_file: object = None
+
+    @classmethod
+    def start(cls, index, argv, env, output, options, attempt) -> "_Worker":
+        log_file = None
+        if options.log_dir is not None:
+            log_file = open(_log_path(options, f"worker-{index}"), "a", encoding="utf-8")
+            log_file.write(f"=== keras-dist launch: worker {index}, attempt {attempt} ===\n")
+        process = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            # Own session and process group: a terminal's Ctrl+C reaches only the
+            # launcher, which stops the workers in order, and a whole worker (with any
+            # children) can be signalled at once.
+            start_new_session=True,
+        )
+        to_terminal = options.log_dir is None or options.tee
+        stream = _output.WorkerStream(
+            f"[worker {index}] " if options.prefix else "",
+            output if to_terminal else None,
+            # One live progress bar: the chief's. The others' bars end as lines.
+            live=index == 0 and output.live,
+            quiet=_output.is_quiet(options.verbose, env),
+            log_file=log_file,
+        )
+        reader = threading.Thread(target=_output.pump, args=(process.stdout, stream),
+                                  name=f"keras-dist-worker-{index}-output", daemon=True)
+        reader.start()
+        return cls(index, process, reader, stream, log_file)
+
+    def finish(self) -> None:
+        self.reader.join(_READER_JOIN)
+        if self.log_file is not None:
+            self.log_file.close()
+
+
+def _log_path(options, name):
+    return None if options.log_dir is None else os.path.join(options.log_dir, f"{name}.log")
+
+
+def describe_exit(index: int, returncode: int) -> str:
+    if returncode < 0:
+        return f"worker {index} was killed by signal {signal_name(-returncode)}"
+    return f"worker {index} exited with code {returncode}"
+
+
+def signal_name(signum: int) -> str:
+    names = {int(s): s.name for s in signal.Signals}
+    return f"{names[signum]} ({signum})" if signum in names else str(signum)
+
+
+def _shell_code(returncode: int) -> int:
+    # The shell's convention, so `keras-dist launch`'s exit code says which failure.
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _base_env(options: Options) -> dict[str, str]:
+    env = options.env
+    merged = dict(os.environ)
+    items = env.items() if isinstance(env, Mapping) else [(None, env)] if env else []
+    for key, value in items:
+        if not isinstance(key, str) or not (value is None or isinstance(value, str)):
+            raise ValueError("Argument `env` must map strings to strings (or None to "
+                             f"unset). Received: env={env!r}")
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    explicit = {key: value for key, value in items if value is not None}
+    _output.quiet_env(merged, _output.is_quiet(options.verbose, merged), explicit)
+    merged["KERAS_DIST_LAUNCHED"] = "1"
+    merged["PYTHONUNBUFFERED"] = "1"  # so output arrives while the worker runs
+    if not options.set_tf_config:
+        merged.pop("TF_CONFIG", None)
+    return merged
+
+
+def _check_command(command) -> list[str]:
+    if (isinstance(command, (str, bytes)) or not isinstance(command, Sequence) or not command
+            or not all(isinstance(part, (str, os.PathLike)) for part in command)):
+        raise ValueError(
+            "Argument `command` must be a non-empty list of strings (an argv such as "
+            f"[sys.executable, 'train.py']). Received: command={command!r}"
+        )
+    return [os.fspath(part) for part in command]

@@ -1,0 +1,68 @@
+"""Run a Python function on N local workers from a notebook (or any Python program).
+
+`notebook_launcher(fn, num_workers=2)` is `keras-dist launch` for a function: each worker
+is a fresh Python process (never a fork, so it works after the caller imported
+TensorFlow) with its own `TF_CONFIG`, the function travels there with cloudpickle, the
+workers' output streams into the caller's `sys.stdout` prefixed `[worker i]` (in Jupyter
+the chief's progress bar updates live), and the return values come back as a list.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+from keras_dist.launching._core import WorkerError, run_function
+from keras_dist.launching.local import Options
+
+__all__ = ["WorkerError", "notebook_launcher"]
+
+
+def notebook_launcher(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    num_workers: int = 2,
+    timeout: float | None = None,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    env: Mapping[str, str | None] | None = None,
+    virtual_devices: int | None = None,
+) -> list:
+    """Calls `fn(*args, **kwargs)` on `num_workers` local worker processes.
+
+    Use it to try multi-worker training from Jupyter: define the training function in a
+    cell (create `keras_dist.strategy()` *inside* it) and launch it here. Functions defined
+    in the notebook are sent by value; functions from modules are imported by name in the
+    workers, which see the caller's `sys.path`. When one worker fails the others are
+    stopped at once. TensorFlow's start-up logs are left out unless
+    `KERAS_DIST_TF_LOGS=1`.
+
+    Args:
+        fn: The function; it and `args`/`kwargs` must be picklable by cloudpickle.
+        args: Positional arguments, the same for every worker.
+        num_workers: Number of worker processes (>= 1).
+        timeout: Seconds before all workers are stopped; `None` waits forever.
+        kwargs: Keyword arguments, the same for every worker.
+        env: Extra environment variables for the workers (`None` values unset).
+        virtual_devices: When set, each worker calls `keras_dist.virtual_devices(k)`
+            before unpickling `fn`, so it has k logical devices.
+
+    Returns:
+        The return values, ordered by worker index.
+
+    Raises:
+        WorkerError: A worker raised (the message names it and contains its traceback)
+            or died without a result (the message gives its exit code or signal).
+        TimeoutError: `timeout` elapsed; every worker was stopped.
+        TypeError: `fn` or its arguments cannot be pickled.
+        ValueError: An argument is invalid.
+
+    Example:
+        >>> def train(epochs):
+        ...     import keras_dist
+        ...     strategy = keras_dist.strategy()
+        ...     return keras_dist.worker_index()
+        >>> keras_dist.notebook_launcher(train, args=(3,), num_workers=2)
+        [0, 1]
+    """
+    return run_function("notebook_launcher", fn, args, kwargs, num_workers,
+                        Options(env=env, timeout=timeout), virtual_devices)
