@@ -24,6 +24,26 @@ def test_demo_trains_on_two_workers_and_reports_from_the_chief_only():
     final = re.search(r"demo: test accuracy ([\d.]+).*\| 2 worker\(s\), 2 replica\(s\)", output)
     assert final, output[-3000:]
     assert float(final.group(1)) > 0.85
+    # Quiet by default: no TensorFlow start-up chatter, no Keras shuffle warning.
+    for noise in NOISE:
+        assert noise not in output, output[-3000:]
+
+
+NOISE = ("absl::InitializeLog()", "cudart_stub", "cuInit", "oneDNN",
+         "`shuffle=True` was passed")
+
+
+@pytest.mark.timeout(300)
+def test_demo_verbose_brings_tensorflows_start_up_logs_back():
+    completed = subprocess.run(
+        [sys.executable, "-m", "keras_dist", "demo", "--workers", "1", "--epochs", "1",
+         "--verbose"],
+        capture_output=True, text=True, timeout=280,
+    )
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-3000:]
+    assert "[worker 0] WARNING: All log messages before absl::InitializeLog()" in output
+    assert "`shuffle=True` was passed" in output
 
 
 def test_demo_rejects_bad_arguments():

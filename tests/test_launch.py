@@ -366,3 +366,105 @@ def test_cli_info_and_demo_call_their_modules(monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines() == ["cluster: fake", "strategy: fake"]
     assert cli.main(["demo", "--workers", "2", "--epochs", "1"]) == 0
     assert demo_calls == [["--workers", "2", "--epochs", "1"]]
+
+
+# -- output: live progress, quiet start-up, log files, the root cause last --------------
+PROGRESS = os.path.join(WORKERS, "progress.py")
+NOISY = os.path.join(WORKERS, "noisy.py")
+ROOT_CAUSE = os.path.join(WORKERS, "root_cause.py")
+
+
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal and records when each write arrived."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.writes.append((time.monotonic(), text))
+        return super().write(text)
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(60)
+def test_progress_updates_reach_a_terminal_live_with_the_prefix_kept():
+    terminal = _Terminal()
+    result = launch([sys.executable, PROGRESS, "6", "0.5"], 2, stdout=terminal)
+    ended = time.monotonic()
+    assert result.returncode == 0
+    first = next(t for t, text in terminal.writes if "[worker 0] step 1/6" in text)
+    assert ended - first > 1.5, "the first update arrived only when the worker ended"
+    text = terminal.getvalue()
+    assert "\b" not in text
+    # Every '\r' redraws the chief's bar with its prefix; the other worker's bar is not
+    # live (one bar on the terminal) and ends as one line.
+    assert all(part.startswith("[worker 0] step") for part in text.split("\r")[1:])
+    assert "[worker 1] step 6/6\n" in text and "[worker 1] step 1/6" not in text
+    assert "[worker 0] done\n" in text and "[worker 1] done\n" in text
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(60)
+def test_progress_without_a_terminal_has_no_carriage_returns():
+    output = io.StringIO()
+    assert launch([sys.executable, PROGRESS, "4", "0.05"], 2, stdout=output).returncode == 0
+    lines = output.getvalue().split("\n")
+    assert "\r" not in output.getvalue() and "\b" not in output.getvalue()
+    for index in (0, 1):
+        assert lines.count(f"[worker {index}] step 4/4") == 1
+        assert f"[worker {index}] step 1/4" not in lines
+
+
+@pytest.mark.timeout(60)
+def test_start_up_noise_is_dropped_unless_verbose(monkeypatch):
+    quiet = io.StringIO()
+    launch([sys.executable, NOISY], 1, stdout=quiet)
+    assert quiet.getvalue().splitlines() == [
+        "[worker 0] W0000 00:00:1796297343.575729   25638 some_op.cc:12] a real warning",
+        "[worker 0] useful output",
+    ]
+    verbose = io.StringIO()
+    launch([sys.executable, NOISY], 1, stdout=verbose, verbose=True)
+    assert "absl::InitializeLog()" in verbose.getvalue()
+    assert "failed call to cuInit" in verbose.getvalue()
+    monkeypatch.setenv("KERAS_DIST_TF_LOGS", "1")
+    from_env = io.StringIO()
+    launch([sys.executable, NOISY], 1, stdout=from_env)
+    assert "cudart_stub.cc" in from_env.getvalue()
+
+
+@pytest.mark.timeout(60)
+def test_log_dir_writes_one_file_per_worker_and_the_launchers(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    assert cli.main(["launch", "-n", "2", "--log-dir", str(logs), FAIL_ONE, str(tmp_path),
+                     "--code", "4"]) == 4
+    out = capsys.readouterr().out
+    assert "[worker" not in out  # without --tee, worker output goes to the files only
+    assert "keras-dist launch: worker 1 exited with code 4" in out
+    assert "worker 1 failing now" in (logs / "worker-1.log").read_text()
+    assert "worker 0 attempt 0 started" in (logs / "worker-0.log").read_text()
+    assert "worker 1 exited with code 4" in (logs / "launcher.log").read_text()
+    tee = tmp_path / "tee"
+    assert cli.main(["launch", "-n", "1", "--log-dir", str(tee), "--tee", NOISY]) == 0
+    assert "[worker 0] useful output" in capsys.readouterr().out
+    assert "absl::InitializeLog()" in (tee / "worker-0.log").read_text()  # files keep all
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(60)
+def test_the_root_cause_comes_last():
+    output = io.StringIO()
+    result = launch([sys.executable, ROOT_CAUSE], 2, stdout=output)
+    assert result.failed_worker == 1 and result.returncode == 1
+    lines = output.getvalue().splitlines()
+    assert "Collective ops is aborted" in output.getvalue()  # the cascade, printed first
+    summary = lines[lines.index("keras-dist launch: root cause: worker 1 exited with code 1 "
+                                "(the first worker to fail); the end of its output:"):]
+    assert summary[1].strip() == "Traceback (most recent call last):"
+    assert summary[-2].strip() == "ValueError: the root cause, on worker 1"
+    assert summary[-1] == "keras-dist launch: worker 1 exited with code 1"
+    assert not any("Collective ops" in line for line in summary)
