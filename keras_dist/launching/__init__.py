@@ -10,8 +10,19 @@
 * `cli.py`: the `keras-dist` command line; `doctor.py`: `keras-dist doctor`.
 """
 
-from keras_dist.launching.local import LaunchResult, free_ports, launch, launch_script
-from keras_dist.launching.notebook import WorkerError, notebook_launcher
 
-__all__ = ["LaunchResult", "WorkerError", "free_ports", "launch", "launch_script",
-           "notebook_launcher"]
+import importlib
+
+# Public name -> module; imported on first access, so that `python -m
+# keras_dist.launching.worker` does not import its own module first (runpy warns).
+_LAZY = {
+    "LaunchResult": "local", "free_ports": "local", "launch": "local",
+    "launch_script": "local", "WorkerError": "_core", "notebook_launcher": "notebook",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"keras_dist.launching.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'keras_dist.launching' has no attribute {name!r}")

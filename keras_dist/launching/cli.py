@@ -4,7 +4,7 @@
                       [--verbose] script.py [script args]
     keras-dist launch --workers N -m package.module [module args]
     keras-dist info
-    keras-dist doctor
+    keras-dist doctor [--no-self-test]
     keras-dist demo [--workers N] [--epochs E]
     keras-dist bench allreduce [--workers N] [--sizes 4K 1M ...]
 
@@ -112,6 +112,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "doctor", help="check this installation: versions, devices, cluster, compat fixes, "
         "and a 2-worker loopback self-test with its all-reduce bandwidth"
     )
+    doctor.add_argument("--no-self-test", action="store_true",
+                        help="skip the 2-worker self-test (versions and cluster only)")
     doctor.set_defaults(handler=_doctor_command, parser=doctor)
 
     demo = commands.add_parser("demo", help="train the embedded example on local workers")
@@ -195,7 +197,7 @@ def _info_command(args: argparse.Namespace, argv: list[str]) -> int:
 def _doctor_command(args: argparse.Namespace, argv: list[str]) -> int:
     from keras_dist.launching import doctor
 
-    return doctor.main()
+    return doctor.main(run_self_test=not args.no_self_test)
 
 
 def _demo_command(args: argparse.Namespace, argv: list[str]) -> int:

@@ -219,4 +219,6 @@ def failure_excerpt(tail, max_lines: int = 25) -> list[str]:
     starts = [i for i, line in enumerate(lines)
               if line.lstrip().startswith("Traceback (most recent call last)")]
     excerpt = lines[starts[-1]:] if starts else lines[-10:]
-    return excerpt[-max_lines:]
+    if len(excerpt) > max_lines:  # keep the header, the innermost frames and the error
+        excerpt = excerpt[:1] + ["..."] + excerpt[2 - max_lines:]
+    return excerpt
