@@ -73,10 +73,10 @@ CASES = {
         r"return reduced_with_nones",
         "return self._clip_gradients_after_reduce(reduced_with_nones)",
     ),
-    "gradient_accumulation_distributed": (
+    "optimizer_conds_cross_replica": (
         _keras_tf.tf_optimizer_class, "_backend_apply_gradients",
-        r"ops\.cond\(\s*is_update_step,",
-        "cross_replica_cond(is_update_step,",
+        r"ops\.cond\(",
+        "cross_replica_cond(",
     ),
 }
 

@@ -19,8 +19,9 @@ EXAMPLES = 64
 EPOCHS = 2
 TOLERANCE = 1e-5
 
-# name -> how the optimizer is built (see `_optimizer`). The last case also checks that
-# learning-rate schedules see micro-steps and Adam's bias correction updates, as on one device.
+# name -> how the optimizer is built (see `_optimizer`). The LossScaleOptimizer case also
+# checks that learning-rate schedules see micro-steps and Adam's bias correction updates,
+# as on one device; the EMA cases compare weights overwritten with the moving average.
 CASES = {
     "sgd_clipnorm": {"clipnorm": 0.05},
     "sgd_global_clipnorm": {"global_clipnorm": 0.05},
@@ -31,8 +32,12 @@ CASES = {
         "optimizer": "adam", "loss_scale": True, "schedule": True,
         "gradient_accumulation_steps": 2, "global_clipnorm": 0.1,
     },
+    "sgd_ema_overwrite_3": {"use_ema": True, "ema_overwrite_frequency": 3},
+    "sgd_ema_overwrite_2_accumulate_2": {
+        "use_ema": True, "ema_overwrite_frequency": 2, "gradient_accumulation_steps": 2,
+    },
 }
-_OPTION_FIXES = ("clip_after_all_reduce", "gradient_accumulation_distributed")
+_OPTION_FIXES = ("clip_after_all_reduce", "optimizer_conds_cross_replica")
 
 
 def _data():

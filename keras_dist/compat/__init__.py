@@ -45,7 +45,7 @@ __all__ = [
 
 FIXES: tuple[Fix, ...] = (
     symbolic_build.FIX, reduce_per_replica.FIX, loss_scale.FIX,
-    optimizer_options.CLIP_FIX, optimizer_options.ACCUMULATION_FIX,
+    optimizer_options.CLIP_FIX, optimizer_options.CONDS_FIX,
 )
 
 _lock = threading.Lock()

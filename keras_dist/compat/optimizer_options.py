@@ -12,15 +12,17 @@ Two upstream behaviours of Keras 3's TensorFlow optimizer under a multi-replica
   clipping to right after the all-reduce (`_all_reduce_sum_gradients`); weight decay,
   which Keras applies in between, does not read the gradient, so the order is otherwise
   unchanged.
-* `gradient_accumulation_distributed` (keras-team/keras#20582): with
+* `optimizer_conds_cross_replica` (keras-team/keras#20582): with
   `gradient_accumulation_steps` the update runs inside an `ops.cond` in replica context,
-  and the `merge_call`s in its branches fail (`RuntimeError` in `Cond.call()`).
+  and the `merge_call`s in its branches fail (`RuntimeError` in `Cond.call()`); the
+  same holds for the EMA overwrite of `use_ema=True, ema_overwrite_frequency=n`.
   keras_dist takes the same decision in cross-replica context (`merge_call`, `tf.cond`,
   `call_for_each_replica`, as Keras' `LossScaleOptimizer` does) and otherwise runs
   Keras' own steps: replica-local accumulation with no communication, and on every k-th
   micro-step the mean of the k micro-batch gradients is all-reduced once, clipped (after
   the all-reduce with the fix above), weight-decayed and applied. `iterations` counts
-  updates and learning-rate schedules see micro-steps, exactly as on one device.
+  updates and learning-rate schedules see micro-steps, exactly as on one device. The
+  EMA overwrite is decided the same way.
 
 Both act only inside a replica context of a strategy that `keras_dist.strategy()` built
 and that has more than one replica: a plain `tf.distribute` strategy in the same process,
@@ -37,13 +39,14 @@ from keras_dist.compat import _keras_tf, _patch, _probe
 from keras_dist.compat._fix import Fix
 
 CLIP_NAME = "clip_after_all_reduce"
-ACCUMULATION_NAME = "gradient_accumulation_distributed"
+CONDS_NAME = "optimizer_conds_cross_replica"
 # Upstream clips inside the apply path (before `_backend_update_step` all-reduces) ...
 _CLIPS_BEFORE_REDUCE = r"self\._clip_gradients\( ?grads ?\).*self\._backend_update_step\("
 # ... and its all-reduce returns the sum as it is.
 _REDUCE_CLIPS = r"_clip"
-# Upstream decides "accumulate or update" with a replica-context cond.
-_COND_IN_REPLICA_CONTEXT = r"ops\.cond\( ?is_update_step"
+# Upstream decides "accumulate or update" (and "overwrite with the EMA") with a
+# replica-context cond.
+_COND_IN_REPLICA_CONTEXT = r"ops\.cond\( ?(is_update_step|should_overwrite_model_vars)"
 
 
 def _tf_optimizer():
@@ -118,14 +121,26 @@ def _apply_clip_fix() -> None:
                  fix=CLIP_NAME)
 
 
-# -- gradient_accumulation_distributed ---------------------------------------------------
-def probe_accumulation(function=None) -> str:
-    """PRESENT while upstream's accumulation decides in a replica-context `ops.cond`."""
+# -- optimizer_conds_cross_replica ------------------------------------------------------
+def probe_conds(function=None) -> str:
+    """PRESENT while upstream decides an update or an EMA overwrite in `ops.cond`."""
     if _tf_optimizer() is None:
         return _probe.FIXED
     function = function or _upstream("_backend_apply_gradients")
     return _probe.verdict_from_source(
         function, _COND_IN_REPLICA_CONTEXT, required=r"gradient_accumulation_steps")
+
+
+def _needs_cross_replica_conds(optimizer) -> bool:
+    return bool(optimizer.gradient_accumulation_steps) or bool(
+        optimizer.use_ema and optimizer.ema_overwrite_frequency)
+
+
+def _update(optimizer, grads, trainable_variables) -> None:
+    """Upstream's update: clip, weight decay, `_backend_update_step` (it all-reduces)."""
+    grads = optimizer._clip_gradients(grads)
+    optimizer._apply_weight_decay(trainable_variables)
+    optimizer._backend_update_step(grads, trainable_variables, optimizer.learning_rate)
 
 
 def _accumulate_or_update(optimizer, grads, trainable_variables) -> None:
@@ -142,12 +157,9 @@ def _accumulate_or_update(optimizer, grads, trainable_variables) -> None:
     ]
 
     def update(grads):
-        # Upstream's update branch, unchanged: mean of the k micro-batch gradients,
-        # clip, weight decay, update (which all-reduces), reset.
+        # Upstream's update branch: the mean of the k micro-batch gradients, update, reset.
         grads = [(grad + accumulator) / steps for grad, accumulator in zip(grads, accumulators)]
-        grads = optimizer._clip_gradients(grads)
-        optimizer._apply_weight_decay(trainable_variables)
-        optimizer._backend_update_step(grads, trainable_variables, optimizer.learning_rate)
+        _update(optimizer, grads, trainable_variables)
         optimizer._backend_reset_gradient_accumulators()
 
     def accumulate(grads):
@@ -157,15 +169,18 @@ def _accumulate_or_update(optimizer, grads, trainable_variables) -> None:
 
 
 def _moving_average(optimizer) -> None:
-    """Upstream's EMA tail of `_backend_apply_gradients` (runs on every micro-step)."""
-    from keras import ops
+    """Upstream's EMA tail (every micro-step), its overwrite decided cross-replica."""
+    import tensorflow as tf
+
+    from keras_dist import _aggregation_ops
 
     if not optimizer.use_ema:
         return
     optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
     if optimizer.ema_overwrite_frequency:
-        should_overwrite = (optimizer.iterations + 1) % optimizer.ema_overwrite_frequency == 0
-        ops.cond(
+        should_overwrite = tf.equal(
+            (optimizer.iterations + 1) % optimizer.ema_overwrite_frequency, 0)
+        _aggregation_ops.replica_cond(
             should_overwrite,
             lambda: optimizer._overwrite_model_variables_with_average_value(
                 optimizer._trainable_variables),
@@ -173,20 +188,23 @@ def _moving_average(optimizer) -> None:
         )
 
 
-def _apply_accumulation_fix() -> None:
+def _apply_conds_fix() -> None:
     owner = _tf_optimizer()
     upstream_apply = _patch.original(owner, "_backend_apply_gradients")
 
     @functools.wraps(upstream_apply)
     def _backend_apply_gradients(self, grads, trainable_variables):
-        if not self.gradient_accumulation_steps or not _distributed_here(self):
+        if not _needs_cross_replica_conds(self) or not _distributed_here(self):
             return upstream_apply(self, grads, trainable_variables)
-        _accumulate_or_update(self, list(grads), list(trainable_variables))
+        grads, trainable_variables = list(grads), list(trainable_variables)
+        if self.gradient_accumulation_steps:
+            _accumulate_or_update(self, grads, trainable_variables)
+        else:
+            _update(self, grads, trainable_variables)
         _moving_average(self)
         return None
 
-    _patch.patch(owner, "_backend_apply_gradients", _backend_apply_gradients,
-                 fix=ACCUMULATION_NAME)
+    _patch.patch(owner, "_backend_apply_gradients", _backend_apply_gradients, fix=CONDS_NAME)
 
 
 CLIP_FIX = Fix(
@@ -200,11 +218,11 @@ CLIP_FIX = Fix(
     apply=_apply_clip_fix,
 )
 
-ACCUMULATION_FIX = Fix(
-    name=ACCUMULATION_NAME,
+CONDS_FIX = Fix(
+    name=CONDS_NAME,
     upstream="keras-team/keras#20582",
-    summary="gradient_accumulation_steps decides in cross-replica context, so its "
-    "merge_calls work; one all-reduce per update.",
+    summary="gradient_accumulation_steps and ema_overwrite_frequency decide in "
+    "cross-replica context, so their merge_calls work; one all-reduce per update.",
     symbols=("keras.Optimizer._backend_apply_gradients", "keras.Optimizer._iterations",
              "keras.Optimizer._accumulated_gradients", "keras.Optimizer._get_variable_index",
              "keras.Optimizer._backend_update_step",
@@ -215,6 +233,6 @@ ACCUMULATION_FIX = Fix(
              "keras.Optimizer._update_model_variables_moving_average",
              "keras.Optimizer._overwrite_model_variables_with_average_value",
              "tf.__internal__.distribute.strategy_supports_no_merge_call"),
-    probe=probe_accumulation,
-    apply=_apply_accumulation_fix,
+    probe=probe_conds,
+    apply=_apply_conds_fix,
 )

@@ -236,7 +236,7 @@ INTERNALS: tuple[Internal, ...] = (
       )),
     Internal(
         "keras.Optimizer._accumulated_gradients",
-        "The gradient_accumulation_distributed fix reads Keras' own accumulators.",
+        "The optimizer_conds_cross_replica fix reads Keras' own accumulators.",
         ("strategy",), "`build()` still creates them",
         _code_mentions(_base_optimizer, "build", r"self\._accumulated_gradients =")),
     Internal(
