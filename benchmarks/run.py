@@ -6,8 +6,8 @@
     python benchmarks/run.py --markdown benchmarks/results/results.json   # README table
 
 Every figure is a ratio against plain tf.distribute (the seed's way) measured in the
-same run. Benchmarks: overhead, scaling, input_sharding, communication, memory (one
-module each in benchmarks/). The JSON goes to `--output` (default
+same run. Benchmarks: overhead, scaling, input_sharding, communication, memory,
+sparse_accumulation (one module each in benchmarks/). The JSON goes to `--output` (default
 benchmarks/results/results.json), the plot `scaling_bandwidth.png` next to it, and a
 markdown summary is printed at the end. Each measurement runs in fresh processes; this
 one never imports TensorFlow. `--smoke` is for the tests: minimal sizes, meaningless
@@ -31,7 +31,8 @@ if _ROOT not in sys.path:
     # importable here and (through the launcher's PYTHONPATH) in the workers.
     sys.path.insert(0, _ROOT)
 
-BENCHMARKS = ("overhead", "scaling", "input_sharding", "communication", "memory")
+BENCHMARKS = ("overhead", "scaling", "input_sharding", "communication", "memory",
+              "sparse_accumulation")
 _DEVICE_AWARE = ("overhead", "communication")  # take --device/--replicas/... options
 DEFAULT_OUTPUT = os.path.join(_ROOT, "benchmarks", "results", "results.json")
 PLOT_NAME = "scaling_bandwidth.png"
