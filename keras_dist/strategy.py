@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from keras_dist import _runtime
+from keras_dist import _rendezvous, _runtime
 from keras_dist._strategy_args import (
     _normalized_implementation,
     _second_multi_worker_message,
@@ -55,6 +55,7 @@ def strategy(
     bytes_per_pack: int = 0,
     timeout_seconds: float | None = None,
     cross_device_ops=None,
+    startup_timeout_seconds: float | None = None,
 ):
     """Creates (once) and returns the `tf.distribute.Strategy` for this process.
 
@@ -90,6 +91,10 @@ def strategy(
             `tf.distribute.MirroredStrategy(cross_device_ops=...)` takes; only with
             `kind="auto"`/`"mirrored"` in one process and `implementation="auto"`. The
             same instance gives back the same strategy.
+        startup_timeout_seconds: In a multi-worker job, how long to wait for every peer
+            before raising `keras_dist._rendezvous.StartupError` naming the missing ones;
+            None: `KERAS_DIST_STARTUP_TIMEOUT`, else 600 s. A duplicate task index or a
+            port in use is an error within seconds; SIGTERM/SIGINT end the wait.
 
     Returns:
         A `tf.distribute.MultiWorkerMirroredStrategy`, or (in one process) a
@@ -112,6 +117,7 @@ def strategy(
     """
     _validate(kind, devices, implementation, bytes_per_pack, timeout_seconds,
               cross_device_ops)
+    _rendezvous.check_argument(startup_timeout_seconds)
     cluster = ClusterConfig.from_env()
     if cross_device_ops is not None and cluster.is_multi_worker:
         raise ValueError(
@@ -133,6 +139,9 @@ def strategy(
     for created in _runtime.created():
         if created.kind == "multi_worker":
             raise RuntimeError(_second_multi_worker_message(created.key, key))
+    if resolved_kind == "multi_worker":
+        # Before anything runs an op: TensorFlow's own wait for peers has no deadline.
+        _rendezvous.meet_peers(cluster, startup_timeout_seconds)
     from keras_dist import compat
 
     compat.apply()
