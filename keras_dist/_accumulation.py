@@ -95,6 +95,14 @@ def accumulate(accumulators: Sequence, grads: Sequence, sparse: str = SPARSE) ->
 def _scatter_add(accumulator, slices) -> None:
     import tensorflow as tf
 
+    rows = slices.values.shape[1:]
+    if rows.is_fully_defined() and rows != accumulator.shape[1:]:
+        raise ValueError(
+            f"Sparse gradient rows of shape {rows} cannot be accumulated into a variable "
+            f"of shape {accumulator.shape} (rows of shape {accumulator.shape[1:]}). "
+            "Received gradients in a different order or for different variables than "
+            "the optimizer's."
+        )
     # In replica context `handle` is this replica's own copy of the ON_READ variable
     # (DistributedVariable.handle); scatter_add itself is refused on ON_READ variables.
     tf.raw_ops.ResourceScatterAdd(

@@ -59,6 +59,15 @@ The pipeline, in this fixed order (optax-style):
    `clipvalue` on the optimizer, if set instead, also act on the aggregated gradient
    once the hook is installed.
 
+**Sparse gradients** (`tf.IndexedSlices`, from embedding lookups) go through every
+stage: accumulation scatter-adds their rows into the dense accumulator (no table-sized
+temporary; `keras_dist._accumulation`), so after accumulation they are dense; without
+accumulation they stay sparse and the all-reduce gathers their rows. With "bf16" their
+values travel as bf16 bits in a float16 carrier, because the gather collective of
+MultiWorkerMirroredStrategy has no bfloat16 type (`_aggregation_ops.compress`). The
+norm sums rows that share an index first, i.e. it is the dense gradient's norm (Keras'
+own `global_clipnorm` squares the rows as they come and over-counts repeated tokens).
+
 With one replica (the default strategy, `OneDeviceStrategy`) the all-reduce and
 compression are skipped; accumulation, norm and clipping still apply.
 `GradientAggregator.all_reduce_count` counts aggregation rounds (one per update), so

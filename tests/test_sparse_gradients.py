@@ -27,8 +27,10 @@ VOCABULARY = 300
 CLIPNORM = 0.05
 LEARNING_RATE = 0.1
 # Tolerances against one device with the same global batch: exact arithmetic up to
-# summation order (1e-5); gradients that travelled in 16 bits (2e-2).
-EXACT, COMPRESSED = 1e-5, 2e-2
+# summation order (1e-5); float16 gradients of the mixed-precision conv net, rounded
+# per replica's half batch (2e-3; measured 6e-4); gradients that travelled in 16 bits
+# (2e-2; measured <= 1.1e-3).
+EXACT, MIXED, COMPRESSED = 1e-5, 2e-3, 2e-2
 
 
 # -- models and data (built from code, random init, no downloads) -----------------------
@@ -224,9 +226,9 @@ def workers():
 def _tolerance(model_name, option):
     # The conv net trains in mixed precision: its gradients are float16 before any
     # compression, so splitting the batch rounds them differently.
-    if option in ("bf16", "fp16") or model_name == "convnet":
+    if option in ("bf16", "fp16"):
         return COMPRESSED
-    return EXACT
+    return MIXED if model_name == "convnet" else EXACT
 
 
 def _reference(out, model_name, option):
@@ -273,6 +275,9 @@ def test_sparse_and_dense_accumulation_agree_and_bad_inputs_are_rejected():
         _accumulation.accumulate([accumulator], [slices], "rows")
     with pytest.raises(ValueError, match=r"shape \(3,\).*shape \(4, 2\)"):
         _accumulation.accumulate([accumulator], [tf.zeros(3)])
+    with pytest.raises(ValueError, match=r"rows of shape \(3,\).*shape \(4, 2\)"):
+        _accumulation.accumulate([accumulator], [tf.IndexedSlices(
+            tf.zeros((1, 3)), tf.constant([0]), tf.constant([4, 3]))])
 
 
 # -- the real-architecture matrix -------------------------------------------------------
