@@ -15,6 +15,8 @@ import keras
 
 from keras_dist import aggregation
 from keras_dist._callback_base import Callback
+from keras_dist._profiler import Profiler
+from keras_dist._step_time import StepTimeMonitor
 from keras_dist._replica_sync import ReplicaDivergenceError, ReplicaSyncCheck, _positive_int
 from keras_dist.checkpointing import BackupAndRestore, BackupError, ModelCheckpoint, TensorBoard
 from keras_dist.cluster import is_chief
@@ -26,6 +28,7 @@ __all__ = [
     "GradientNormLogger",
     "LearningRateWarmup",
     "ModelCheckpoint",
+    "Profiler", "StepTimeMonitor",
     "ReplicaDivergenceError",
     "ReplicaSyncCheck",
     "TensorBoard",
