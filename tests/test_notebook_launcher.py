@@ -264,6 +264,19 @@ except WorkerError as error:
 print("SOURCE", notebook_launcher(lambda: inspect.getsource(where_am_i), num_workers=1)[0])
 """
 
+NOTEBOOK_PROGRESS_CELL = """
+import sys, time
+
+def progress():
+    for step in range(1, 4):
+        sys.stdout.write(f"\\rstep {step}/3")  # Keras' dynamic progress bar
+        sys.stdout.flush()
+        time.sleep(0.2)
+    sys.stdout.write("\\n")
+
+notebook_launcher(progress, num_workers=2)
+"""
+
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(180)
@@ -273,12 +286,13 @@ def test_notebook_launcher_in_a_real_jupyter_kernel():
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_code_cell(NOTEBOOK_CELL),
-                      nbformat.v4.new_code_cell(NOTEBOOK_FAILING_CELL)]
+                      nbformat.v4.new_code_cell(NOTEBOOK_FAILING_CELL),
+                      nbformat.v4.new_code_cell(NOTEBOOK_PROGRESS_CELL)]
     client = nbclient.NotebookClient(
         notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": repo_root}}
     )
     client.execute()
-    first, second = (
+    first, second, third = (
         "".join(output.get("text", "") for output in cell.outputs
                 if output.get("output_type") == "stream")
         for cell in notebook.cells
@@ -289,3 +303,7 @@ def test_notebook_launcher_in_a_real_jupyter_kernel():
     # The cell's source travelled with the function: tracebacks and inspect see it.
     assert 'raise ValueError("raised in a notebook cell")' in second
     assert "SOURCE def where_am_i(greeting):" in second
+    # In Jupyter the chief's '\r' updates are forwarded live, each with its prefix; the
+    # other worker's bar ends as one line.
+    assert "\r[worker 0] step 1/3" in third and "\r[worker 0] step 3/3" in third
+    assert "[worker 1] step 3/3\n" in third and "[worker 1] step 1/3" not in third
