@@ -46,6 +46,7 @@ _LAZY = {
     "WorkerError": "keras_dist.notebook",
     "chief_path": "keras_dist.checkpointing",
     "verbose": "keras_dist.checkpointing",
+    "barrier": "keras_dist.barriers",
 }
 _LAZY_MODULES = ("callbacks", "aggregation", "launch", "testing", "data", "batching")
 

@@ -31,7 +31,7 @@ import warnings
 
 from keras_dist.compat import (
     _patch, _probe, loss_scale, optimizer_options, reduce_per_replica, registry,
-    symbolic_build,
+    symbolic_build, writers,
 )
 from keras_dist.compat._fix import Fix
 from keras_dist.compat._keras_tf import keras_version
@@ -45,7 +45,7 @@ __all__ = [
 
 FIXES: tuple[Fix, ...] = (
     symbolic_build.FIX, reduce_per_replica.FIX, loss_scale.FIX,
-    optimizer_options.CLIP_FIX, optimizer_options.CONDS_FIX,
+    optimizer_options.CLIP_FIX, optimizer_options.CONDS_FIX, writers.FIX,
 )
 
 _lock = threading.Lock()

@@ -152,6 +152,86 @@ _TRAINER = _keras_tf.trainer_class
 _TRAINER_MODULE = _keras_tf.trainer_module
 _TF_OPTIMIZER = _keras_tf.tf_optimizer_class
 
+
+def _keras_module(module: str):
+    def resolve():
+        import importlib
+
+        return importlib.import_module(module)
+
+    return resolve
+
+
+def _keras_callback(name: str):
+    def resolve():
+        import keras
+
+        return getattr(keras.callbacks, name)
+
+    return resolve
+
+
+def _tf_checkpoint_class():
+    from tensorflow.python.checkpoint import checkpoint
+
+    return checkpoint.Checkpoint
+
+
+def _tf_context_class():
+    from tensorflow.python.eager import context
+
+    return context.Context
+
+
+# Stock writers (compat.writers) and keras_dist.barrier (compat.coordination).
+_WRITER_INTERNALS = (
+    Internal(
+        "keras.ModelCheckpoint._save_model",
+        "Probed by the stock_writers_multi_worker fix: it still saves through "
+        "`self.model.save`/`save_weights`, which the fix makes multi-worker safe.",
+        ("strategy",), "its code still calls `self.model.save`",
+        _code_mentions(_keras_callback("ModelCheckpoint"), "_save_model",
+                       r"self\.model\.save")),
+    Internal(
+        "keras.BackupAndRestore._save_model",
+        "Patched: the chief saves the backup, other workers save weights to a removed "
+        "temporary directory.",
+        ("strategy",), "`on_epoch_end` still calls it",
+        _code_mentions(_keras_callback("BackupAndRestore"), "on_epoch_end",
+                       r"self\._save_model\(")),
+    Internal(
+        "keras.file_utils.makedirs",
+        "Patched: `exist_ok` under a multi-worker strategy (callbacks check, then create).",
+        ("strategy",), "attribute lookup on keras.src.utils.file_utils",
+        _attribute(_keras_module("keras.src.utils.file_utils"), "makedirs")),
+    Internal(
+        "keras.TensorBoard._log_write_dir",
+        "Other workers' event files go to a private directory set before `set_model`.",
+        ("strategy",), "`set_model` still derives it from `self.log_dir`",
+        _code_mentions(_keras_callback("TensorBoard"), "set_model",
+                       r"self\._log_write_dir = self\.log_dir")),
+    Internal(
+        "tf.Checkpoint._write",
+        "Patched: `save` and `write` both write through it (redirected on other workers).",
+        ("strategy",), "`save` still calls it",
+        _code_mentions(_tf_checkpoint_class, "save", r"self\._write\(")),
+    Internal(
+        "tf.context.wait_at_barrier",
+        "keras_dist.barrier() waits in the coordination service's barrier.",
+        ("barrier",), "attribute lookup on tensorflow.python.eager.context.Context",
+        _attribute(_tf_context_class, "wait_at_barrier")),
+    Internal(
+        "tf.context.set_config_key_value",
+        "The chief publishes 'my file is complete' for stock writers.",
+        ("strategy",), "attribute lookup on tensorflow.python.eager.context.Context",
+        _attribute(_tf_context_class, "set_config_key_value")),
+    Internal(
+        "tf.context.get_config_key_value",
+        "Other workers wait for the chief's 'complete' (a blocking get).",
+        ("strategy",), "attribute lookup on tensorflow.python.eager.context.Context",
+        _attribute(_tf_context_class, "get_config_key_value")),
+)
+
 INTERNALS: tuple[Internal, ...] = (
     Internal(
         "keras.TFTrainer._maybe_symbolic_build",
@@ -272,6 +352,7 @@ INTERNALS: tuple[Internal, ...] = (
         "distribute_dataset warns when handed an already batched dataset.",
         ("data",), "class names looked up in tf.data's op modules",
         _tf_data_classes),
+    *_WRITER_INTERNALS,
 )
 
 _BY_NAME = {internal.name: internal for internal in INTERNALS}

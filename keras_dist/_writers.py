@@ -1,0 +1,211 @@
+"""One save called by every worker with one path: the chief's file, the others' temp copies.
+
+The protocol behind `keras_dist.compat.writers` (the patches of Keras' and TensorFlow's
+stock writers), free of upstream internals:
+
+* Every worker runs the save (saving may read distributed variables, a collective).
+* The chief writes to a hidden temporary sibling of the path (same directory, same
+  file name ending, so Keras' format checks pass), then `os.replace`s it into place: a
+  file appears complete or not at all. A directory (SavedModel) is renamed into place;
+  an older one at the path is first renamed aside, then deleted.
+* The other workers write under a private temporary directory, deleted at once.
+* The chief then publishes "done" (or its error) for `(path, n)` - the n-th save to that
+  path in this process - in TensorFlow's coordination service; the others wait for it
+  before returning, so a load right after the save works on every worker. The chief
+  never waits, so a script that saves on the chief only (`if is_chief(): model.save(p)`)
+  still runs.
+
+Paths keras_dist already made private (`chief_path()` on other workers, keras_dist's
+own ModelCheckpoint/TensorBoard/BackupAndRestore temporaries) are written as given.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from typing import Any, Callable
+
+ENV_SWITCH = "KERAS_DIST_STOCK_WRITERS"
+ENV_TIMEOUT = "KERAS_DIST_STOCK_WRITERS_TIMEOUT"
+_DEFAULT_TIMEOUT_SECONDS = 3600.0
+TMP_PREFIX = ".tmp-keras-dist-"
+PRIVATE_PREFIX = "keras_dist-worker"
+
+_state = threading.local()
+_counts: collections.Counter = collections.Counter()
+_counts_lock = threading.Lock()
+
+
+class StockWriterError(RuntimeError):
+    """The chief's save failed or did not finish, seen from another worker."""
+
+
+def active() -> bool:
+    """True when stock writers get multi-worker semantics in this process now."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    from keras_dist import _runtime
+
+    entry = _runtime.latest()
+    return entry is not None and entry.kind == "multi_worker"
+
+
+def is_private(path: str) -> bool:
+    """True for paths keras_dist already made private (temporary) for this worker."""
+    parts = os.path.abspath(path).split(os.sep)
+    return any(part.startswith((PRIVATE_PREFIX, TMP_PREFIX)) for part in parts)
+
+
+@contextlib.contextmanager
+def _nested():
+    depth = getattr(_state, "depth", 0)
+    _state.depth = depth + 1
+    try:
+        yield depth > 0
+    finally:
+        _state.depth = depth
+
+
+def private_dir(kind: str) -> str:
+    """A new temporary directory for this worker (the caller removes it)."""
+    from keras_dist import _runtime
+
+    return tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{_runtime.worker_index()}-{kind}-")
+
+
+def write(path: str, write_to: Callable[[str], Any], *, in_place: bool = False,
+          returns_path: bool = False) -> Any:
+    """Runs `write_to(target)` with multi-worker semantics for `path` (see module doc).
+
+    Args:
+        path: The path every worker asked to write.
+        write_to: Writes the file or directory at the path it is given.
+        in_place: The chief writes `path` itself (formats of several files whose
+            writer already commits them last, e.g. TensorFlow checkpoints).
+        returns_path: `write_to` returns the path it wrote; give back `path` instead
+            of a worker's temporary one.
+
+    Returns:
+        What `write_to` returned.
+    """
+    if not active() or is_remote(path) or is_private(path):
+        return write_to(path)
+    with _nested() as nested:
+        from keras_dist import _runtime
+
+        if nested:  # e.g. BackupAndRestore's save_weights inside the outer protocol
+            atomic = _runtime.is_chief() and not in_place
+            return replace_into(path, write_to) if atomic else write_to(path)
+
+        key = _key(path)
+        if _runtime.is_chief():
+            return _chief_write(path, write_to, key, in_place)
+        result = _private_write(path, write_to)
+        wait_for_chief(key, path)
+        return path if returns_path else result
+
+
+def _chief_write(path, write_to, key, in_place):
+    from keras_dist.compat import coordination
+
+    try:
+        result = write_to(path) if in_place else replace_into(path, write_to)
+    except BaseException as error:
+        coordination.set_value(key, f"error: {type(error).__name__}: {error}")
+        raise
+    coordination.set_value(key, "done")
+    return result
+
+
+def _private_write(path, write_to):
+    directory = private_dir("write")
+    try:
+        return write_to(os.path.join(directory, os.path.basename(path.rstrip(os.sep))))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def wait_for_chief(key: str, path: str) -> None:
+    """Returns once the chief published `key`; raises if it reported an error."""
+    from keras_dist.compat import coordination
+
+    timeout = float(os.environ.get(ENV_TIMEOUT) or _DEFAULT_TIMEOUT_SECONDS)
+    try:
+        value = coordination.get_value(key, timeout)
+    except Exception as error:
+        raise StockWriterError(
+            f"The chief did not finish writing {path!r} within {timeout:.0f} s "
+            f"({type(error).__name__}: {error}). Every worker must make the same saves "
+            f"in the same order; set {ENV_TIMEOUT} to wait longer, or {ENV_SWITCH}=0 to "
+            "turn keras_dist's stock-writer handling off."
+        ) from None
+    if value != "done":
+        raise StockWriterError(f"The chief failed to write {path!r}: {value}")
+
+
+def _key(path: str) -> str:
+    absolute = os.path.abspath(path.rstrip(os.sep) or path)
+    with _counts_lock:
+        _counts[absolute] += 1
+        return f"keras_dist/stock_writers/{_counts[absolute]}/{absolute}"
+
+
+def replace_into(path: str, write_to: Callable[[str], Any]) -> Any:
+    """Writes via a hidden sibling, then renames it to `path` (file or directory)."""
+    path = path.rstrip(os.sep) or path
+    directory, name = os.path.split(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    temporary = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}")
+    try:
+        result = write_to(temporary)
+        if os.path.isdir(temporary):
+            _replace_dir(temporary, path)
+        else:
+            os.replace(temporary, path)
+    finally:
+        if os.path.isdir(temporary):
+            shutil.rmtree(temporary, ignore_errors=True)
+        elif os.path.exists(temporary):
+            os.remove(temporary)
+    return result
+
+
+def _replace_dir(temporary: str, path: str) -> None:
+    if not os.path.lexists(path):
+        os.rename(temporary, path)
+        return
+    # rename() cannot replace a non-empty directory: move the old one aside first (the
+    # path is briefly absent, never half-written).
+    old = f"{temporary}.old"
+    os.rename(path, old)
+    os.rename(temporary, path)
+    if os.path.isdir(old):
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.remove(old)
+
+
+def is_remote(path: str) -> bool:
+    return "://" in str(path)
+
+
+class PrivateOutput:
+    """A callback's output redirected to a private directory on non-chief workers."""
+
+    def __init__(self, kind: str):
+        self.directory = private_dir(kind)
+
+    def path_for(self, path: str) -> str:
+        relative = os.path.splitdrive(os.path.abspath(path))[1].lstrip(os.sep)
+        target = os.path.join(self.directory, relative)
+        # Keras' writers do not create parent directories (the user's path had them).
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        return target
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)

@@ -1,0 +1,181 @@
+"""Stock Keras/TensorFlow writers called by every worker with one path (issue 10).
+
+One 2-worker run exercises every writer (a process start costs ~10 s here); the
+workers return what they saw and the assertions run in the test process.
+"""
+
+import os
+
+import pytest
+
+from keras_dist.testing import run_on_workers
+
+WRITERS_TIMEOUT = 240
+
+
+def _sha256(path):
+    import hashlib
+
+    with open(path, "rb") as file:
+        return hashlib.sha256(file.read()).hexdigest()
+
+
+def _tree(root):
+    found = []
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            found.append(os.path.relpath(os.path.join(directory, name), root))
+    return sorted(found)
+
+
+def _watch_for_partial_zip(path, stop, seen_bad):
+    import zipfile
+
+    while not stop.is_set():
+        if os.path.exists(path):
+            try:
+                with zipfile.ZipFile(path) as archive:
+                    if archive.testzip() is not None:
+                        seen_bad.append("bad member")
+            except (zipfile.BadZipFile, OSError) as error:
+                seen_bad.append(repr(error))
+
+
+def _every_writer(root):
+    import threading
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_dist
+    from keras_dist.compat import _patch
+
+    strategy = keras_dist.strategy()
+    index = keras_dist.worker_index()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(256),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.linspace(0, 1, 64, dtype="float32").reshape(16, 4)
+    y = x.sum(axis=1, keepdims=True)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(f"{root}/ckpt/w-{{epoch}}.weights.h5",
+                                        save_weights_only=True),
+        keras.callbacks.ModelCheckpoint(f"{root}/ckpt/m-{{epoch}}.keras"),
+        keras.callbacks.BackupAndRestore(f"{root}/backup", delete_checkpoint=False),
+        keras.callbacks.TensorBoard(f"{root}/tb"),
+        keras.callbacks.CSVLogger(f"{root}/log.csv"),
+    ])
+    expected = model.get_weights()
+
+    def same(weights):
+        return all(np.array_equal(a, b) for a, b in zip(weights, expected))
+
+    out = {"index": index}
+    # model.save (.keras), while the chief watches its own path for a partial zip.
+    stop, seen_bad = threading.Event(), []
+    watcher = threading.Thread(target=_watch_for_partial_zip,
+                               args=(f"{root}/final.keras", stop, seen_bad))
+    watcher.start()
+    model.save(f"{root}/final.keras")
+    stop.set()
+    watcher.join()
+    out["partial_zip_seen"] = seen_bad
+    out["keras_loads"] = same(keras.models.load_model(f"{root}/final.keras").get_weights())
+    # model.save_weights, twice (the second overwrites), against one upstream write.
+    model.save_weights(f"{root}/final.weights.h5")
+    model.save_weights(f"{root}/final.weights.h5")
+    clone = keras.models.clone_model(model)
+    clone.load_weights(f"{root}/final.weights.h5")
+    out["weights_load"] = same(clone.get_weights())
+    reference = os.path.join(os.environ["TMPDIR"], f"reference-{index}.weights.h5")
+    _patch.original(keras.Model, "save_weights")(model, reference)
+    out["weights_equal_single_writer"] = _sha256(reference) == _sha256(
+        f"{root}/final.weights.h5")
+    os.remove(reference)
+    # tf.train.Checkpoint: save (numbered, "checkpoint" state file) and write.
+    checkpoint = tf.train.Checkpoint(model=model)
+    saved = [checkpoint.save(f"{root}/tf_ckpt/ckpt") for _ in range(2)]
+    out["checkpoint_paths"] = [os.path.relpath(p, root) for p in saved]
+    out["latest_checkpoint"] = os.path.relpath(tf.train.latest_checkpoint(f"{root}/tf_ckpt"),
+                                               root)
+    restored = keras.models.clone_model(model)
+    tf.train.Checkpoint(model=restored).restore(saved[-1]).expect_partial()
+    out["checkpoint_restores"] = same(restored.get_weights())
+    written = checkpoint.write(f"{root}/tf_write/state")
+    tf.train.Checkpoint(model=restored).read(written).expect_partial()
+    out["checkpoint_write_reads"] = same(restored.get_weights())
+    # tf.saved_model.save (twice: the directory is replaced) and model.export.
+    module = tf.Module()
+    module.value = tf.Variable([1.0, 2.0, 3.0])
+    for _ in range(2):
+        tf.saved_model.save(module, f"{root}/saved_model")
+    loaded_module = tf.saved_model.load(f"{root}/saved_model")
+    out["saved_model_value"] = loaded_module.value.numpy().tolist()
+    model.export(f"{root}/export", verbose=False)
+    exported = tf.saved_model.load(f"{root}/export")  # kept: serve() needs its variables
+    served = exported.serve(x).numpy()
+    out["export_matches"] = bool(np.allclose(served, model.predict(x, verbose=0), atol=1e-6))
+    keras_dist.barrier("writers-done")
+    out["tree"] = _tree(root) if index == 0 else None
+    out["csv_lines"] = open(f"{root}/log.csv").read().splitlines() if index == 0 else None
+    out["private_left"] = sorted(
+        name for name in os.listdir(os.environ["TMPDIR"]) if name.startswith("keras_dist-"))
+    return out
+
+
+def test_every_stock_writer_on_one_path(tmp_path):
+    root, temp = tmp_path / "shared", tmp_path / "tmp"
+    root.mkdir()
+    temp.mkdir()
+    results = run_on_workers(_every_writer, num_workers=2, args=(str(root),),
+                             timeout=WRITERS_TIMEOUT, env={"TMPDIR": str(temp)})
+    for out in results:
+        assert out["partial_zip_seen"] == [], out
+        assert out["keras_loads"] and out["weights_load"], out
+        assert out["weights_equal_single_writer"], out
+        assert out["checkpoint_paths"] == ["tf_ckpt/ckpt-1", "tf_ckpt/ckpt-2"], out
+        assert out["latest_checkpoint"] == "tf_ckpt/ckpt-2", out
+        assert out["checkpoint_restores"] and out["checkpoint_write_reads"], out
+        assert out["saved_model_value"] == [1.0, 2.0, 3.0], out
+        assert out["export_matches"], out
+        assert out["private_left"] == [], out  # other workers' temporaries are gone
+    tree = results[0]["tree"]
+    assert not [p for p in tree if ".tmp-keras-dist-" in p], tree  # no half-written files
+    for expected in ("ckpt/w-1.weights.h5", "ckpt/w-2.weights.h5", "ckpt/m-1.keras",
+                     "ckpt/m-2.keras", "backup/latest.weights.h5",
+                     "backup/training_metadata.json", "final.keras", "final.weights.h5",
+                     "tf_ckpt/checkpoint", "tf_write/state.index",
+                     "saved_model/saved_model.pb", "export/saved_model.pb"):
+        assert expected in tree, (expected, tree)
+    events = [p for p in tree if p.startswith("tb/train/events.out")]
+    assert len(events) == 1, tree  # one run in TensorBoard: the chief's
+    assert len(results[0]["csv_lines"]) == 3, results[0]["csv_lines"]  # header + 2 epochs
+
+
+def _single_process_unchanged(path):
+    import keras
+
+    import keras_dist
+
+    keras_dist.strategy()
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.save_weights(path)
+    return sorted(os.listdir(os.path.dirname(path)))
+
+
+def test_one_process_writes_in_place(tmp_path):
+    from keras_dist.testing import run_in_subprocess
+
+    path = str(tmp_path / "model.weights.h5")
+    assert run_in_subprocess(_single_process_unchanged, args=(path,),
+                             timeout=120) == ["model.weights.h5"]
+
+
+@pytest.mark.parametrize("switch", ["0"])
+def test_opt_out_switch_is_read(monkeypatch, switch):
+    from keras_dist import _writers
+
+    monkeypatch.setenv(_writers.ENV_SWITCH, switch)
+    assert not _writers.active()
