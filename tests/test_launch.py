@@ -1,4 +1,5 @@
-"""`keras_dist.launch` and `keras-dist launch`: real worker processes, no TensorFlow."""
+"""`keras_dist.launch` and `keras-dist launch`: real worker processes (TensorFlow only in
+the root-cause test with a real collective)."""
 
 import io
 import json
@@ -468,3 +469,32 @@ def test_the_root_cause_comes_last():
     assert summary[-2].strip() == "ValueError: the root cause, on worker 1"
     assert summary[-1] == "keras-dist launch: worker 1 exited with code 1"
     assert not any("Collective ops" in line for line in summary)
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(120)
+def test_the_root_cause_is_the_worker_that_raised_while_the_other_was_in_a_collective():
+    output = io.StringIO()
+    result = launch([sys.executable, os.path.join(WORKERS, "collective_failure.py")], 2,
+                    stdout=output, env={"PYTHONPATH": REPO_ROOT}, timeout=100)
+    assert result.failed_worker == 1 and result.returncode == 1, output.getvalue()[-3000:]
+    lines = output.getvalue().splitlines()
+    start = lines.index("keras-dist launch: root cause: worker 1 exited with code 1 (the "
+                        "first worker to fail); the end of its output:")
+    assert lines[start + 1].strip() == "Traceback (most recent call last):"
+    assert lines[-2].strip() == "ValueError: worker 1 failed before its all-reduce"
+    assert lines[-1] == "keras-dist launch: worker 1 exited with code 1"
+
+
+def test_tee_needs_a_log_dir(capsys):
+    with pytest.raises(ValueError, match="Argument `tee` must be False without `log_dir`"):
+        launch([sys.executable, "-c", "pass"], 1, tee=True)
+    assert cli.main(["launch", "--tee", REPORT_ENV]) == 2
+    assert "--tee needs --log-dir DIR" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_cli_verbose_keeps_start_up_noise(capsys):
+    assert cli.main(["launch", "-n", "1", "--verbose", NOISY]) == 0
+    assert "[worker 0] WARNING: All log messages before absl::InitializeLog()" in \
+        capsys.readouterr().out
