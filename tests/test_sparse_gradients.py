@@ -254,6 +254,21 @@ def test_sparse_bf16_values_round_trip_through_a_gatherable_carrier():
     assert ops.decompress(fp16, ops.dtypes_of(grads), "fp16")[0].values.dtype == tf.float32
 
 
+def test_sparse_gradients_are_all_reduced_densely_once_that_moves_less_data():
+    import tensorflow as tf
+
+    from keras_dist import _aggregation_ops as ops
+
+    def slices(rows):
+        return tf.IndexedSlices(tf.ones((rows, 2)), tf.zeros(rows, tf.int32),
+                                tf.constant([10, 2]))
+
+    few, many = ops.densify_if_smaller([slices(4), slices(5), None], num_replicas=2)[:2]
+    assert isinstance(few, tf.IndexedSlices)  # 2 x 4 gathered rows < 10 table rows
+    assert not isinstance(many, tf.IndexedSlices)
+    np.testing.assert_array_equal(many.numpy()[0], [5.0, 5.0])
+
+
 def test_sparse_and_dense_accumulation_agree_and_bad_inputs_are_rejected():
     import tensorflow as tf
 
