@@ -78,6 +78,11 @@ CASES = {
         r"ops\.cond\(",
         "cross_replica_cond(",
     ),
+    "stock_writers_multi_worker": (
+        lambda: keras.callbacks.ModelCheckpoint, "_save_model",
+        r"self\.model\.save_weights\(filepath, overwrite=True\)",
+        "self.model.save_weights(write_filepath(filepath), overwrite=True)",
+    ),
 }
 
 

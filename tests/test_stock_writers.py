@@ -66,6 +66,11 @@ def _every_writer(root):
         keras.callbacks.BackupAndRestore(f"{root}/backup", delete_checkpoint=False),
         keras.callbacks.TensorBoard(f"{root}/tb"),
         keras.callbacks.CSVLogger(f"{root}/log.csv"),
+        # keras_dist's own chief-only callbacks: not redirected a second time.
+        keras_dist.callbacks.ModelCheckpoint(f"{root}/kd/w-{{epoch}}.weights.h5",
+                                             save_weights_only=True),
+        keras_dist.callbacks.BackupAndRestore(f"{root}/kd_backup", delete_checkpoint=False),
+        keras_dist.callbacks.TensorBoard(f"{root}/kd_tb"),
     ])
     expected = model.get_weights()
 
@@ -147,10 +152,12 @@ def test_every_stock_writer_on_one_path(tmp_path):
                      "ckpt/m-2.keras", "backup/latest.weights.h5",
                      "backup/training_metadata.json", "final.keras", "final.weights.h5",
                      "tf_ckpt/checkpoint", "tf_write/state.index",
-                     "saved_model/saved_model.pb", "export/saved_model.pb"):
+                     "saved_model/saved_model.pb", "export/saved_model.pb",
+                     "kd/w-1.weights.h5", "kd/w-2.weights.h5", "kd_backup/backup.json"):
         assert expected in tree, (expected, tree)
-    events = [p for p in tree if p.startswith("tb/train/events.out")]
-    assert len(events) == 1, tree  # one run in TensorBoard: the chief's
+    for log_dir in ("tb", "kd_tb"):  # one run in TensorBoard: the chief's
+        events = [p for p in tree if p.startswith(f"{log_dir}/train/events.out")]
+        assert len(events) == 1, tree
     assert len(results[0]["csv_lines"]) == 3, results[0]["csv_lines"]  # header + 2 epochs
 
 

@@ -59,12 +59,13 @@ def _file_utils():
     return file_utils
 
 
-def probe() -> str:
+def probe(function=None) -> str:
     """PRESENT while Keras' ModelCheckpoint saves without asking which worker it is on."""
-    import keras
+    if function is None:
+        import keras
 
-    source = _probe.source_of(
-        _patch.original(keras.callbacks.ModelCheckpoint, "_save_model"))
+        function = _patch.original(keras.callbacks.ModelCheckpoint, "_save_model")
+    source = _probe.source_of(function)
     if source is None:
         return _probe.UNKNOWN
     if re.search(r"is_chief|write_filepath|task_type", source):
