@@ -69,6 +69,41 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"keras-dist {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    _add_launch_parser(commands)
+
+    info = commands.add_parser(
+        "info", help="print the cluster, the devices and the strategy that would be chosen"
+    )
+    info.set_defaults(handler=_info_command, parser=info)
+
+    doctor = commands.add_parser(
+        "doctor", help="check this installation: versions, devices, cluster, compat fixes, "
+        "and a 2-worker loopback self-test with its all-reduce bandwidth"
+    )
+    doctor.add_argument("--no-self-test", action="store_true",
+                        help="skip the 2-worker self-test (versions and cluster only)")
+    doctor.set_defaults(handler=_doctor_command, parser=doctor)
+
+    demo = commands.add_parser("demo", help="train the embedded example on local workers")
+    demo.add_argument("--workers", type=_int_at_least(1), metavar="N")
+    demo.add_argument("--epochs", type=_int_at_least(1), metavar="E")
+    demo.set_defaults(handler=_demo_command, parser=demo)
+
+    bench = commands.add_parser("bench", help="run a benchmark")
+    benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    allreduce = benchmarks.add_parser(
+        "allreduce", help="all-reduce throughput: keras_dist against plain tf.distribute"
+    )
+    allreduce.add_argument("--workers", type=_int_at_least(1), default=2, metavar="N")
+    allreduce.add_argument("--sizes", type=_size, nargs="+", default=None, metavar="SIZE",
+                           help="tensor sizes in bytes; suffixes K, M, G allowed")
+    allreduce.add_argument("--output", default=None, metavar="PATH",
+                           help="write the results as JSON to PATH")
+    allreduce.set_defaults(handler=_bench_allreduce_command, parser=allreduce)
+    return parser
+
+
+def _add_launch_parser(commands) -> None:
     launch = commands.add_parser(
         "launch",
         help="run a training script on N local workers",
@@ -102,37 +137,6 @@ def _build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
                         help="arguments for the script")
     launch.set_defaults(handler=_launch_command, parser=launch)
-
-    info = commands.add_parser(
-        "info", help="print the cluster, the devices and the strategy that would be chosen"
-    )
-    info.set_defaults(handler=_info_command, parser=info)
-
-    doctor = commands.add_parser(
-        "doctor", help="check this installation: versions, devices, cluster, compat fixes, "
-        "and a 2-worker loopback self-test with its all-reduce bandwidth"
-    )
-    doctor.add_argument("--no-self-test", action="store_true",
-                        help="skip the 2-worker self-test (versions and cluster only)")
-    doctor.set_defaults(handler=_doctor_command, parser=doctor)
-
-    demo = commands.add_parser("demo", help="train the embedded example on local workers")
-    demo.add_argument("--workers", type=_int_at_least(1), metavar="N")
-    demo.add_argument("--epochs", type=_int_at_least(1), metavar="E")
-    demo.set_defaults(handler=_demo_command, parser=demo)
-
-    bench = commands.add_parser("bench", help="run a benchmark")
-    benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    allreduce = benchmarks.add_parser(
-        "allreduce", help="all-reduce throughput: keras_dist against plain tf.distribute"
-    )
-    allreduce.add_argument("--workers", type=_int_at_least(1), default=2, metavar="N")
-    allreduce.add_argument("--sizes", type=_size, nargs="+", default=None, metavar="SIZE",
-                           help="tensor sizes in bytes; suffixes K, M, G allowed")
-    allreduce.add_argument("--output", default=None, metavar="PATH",
-                           help="write the results as JSON to PATH")
-    allreduce.set_defaults(handler=_bench_allreduce_command, parser=allreduce)
-    return parser
 
 
 # -- commands ----------------------------------------------------------------------------
