@@ -21,6 +21,7 @@ own ModelCheckpoint/TensorBoard/BackupAndRestore temporaries) are written as giv
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import os
@@ -199,6 +200,8 @@ class PrivateOutput:
 
     def __init__(self, kind: str):
         self.directory = private_dir(kind)
+        # on_train_end removes it; this covers evaluate()-only use and crashes.
+        atexit.register(shutil.rmtree, self.directory, True)
 
     def path_for(self, path: str) -> str:
         relative = os.path.splitdrive(os.path.abspath(path))[1].lstrip(os.sep)
