@@ -28,6 +28,12 @@ def _tree(root):
     return sorted(found)
 
 
+def _same_files(directory, other):
+    names = sorted(os.listdir(directory))
+    return names == sorted(os.listdir(other)) and all(
+        _sha256(os.path.join(directory, n)) == _sha256(os.path.join(other, n)) for n in names)
+
+
 def _watch_for_partial_zip(path, stop, seen_bad):
     import zipfile
 
@@ -42,6 +48,7 @@ def _watch_for_partial_zip(path, stop, seen_bad):
 
 
 def _every_writer(root):
+    import shutil
     import threading
 
     import keras
@@ -111,11 +118,21 @@ def _every_writer(root):
     written = checkpoint.write(f"{root}/tf_write/state")
     tf.train.Checkpoint(model=restored).read(written).expect_partial()
     out["checkpoint_write_reads"] = same(restored.get_weights())
+    single = os.path.join(os.environ["TMPDIR"], f"single-{index}")
+    _patch.original(type(checkpoint), "_write")(checkpoint, f"{single}/state")
+    out["checkpoint_equal_single_writer"] = _same_files(f"{root}/tf_write", single)
     # tf.saved_model.save (twice: the directory is replaced) and model.export.
     module = tf.Module()
     module.value = tf.Variable([1.0, 2.0, 3.0])
     for _ in range(2):
         tf.saved_model.save(module, f"{root}/saved_model")
+    _patch.original(tf.saved_model, "save")(module, f"{single}/saved_model")
+    out["saved_model_files_equal"] = {
+        name: _sha256(f"{root}/saved_model/{name}")
+        == _sha256(f"{single}/saved_model/{name}")
+        for name in ("saved_model.pb", "variables/variables.index",
+                     "variables/variables.data-00000-of-00001")}
+    shutil.rmtree(single)
     loaded_module = tf.saved_model.load(f"{root}/saved_model")
     out["saved_model_value"] = loaded_module.value.numpy().tolist()
     model.export(f"{root}/export", verbose=False)
@@ -143,6 +160,12 @@ def test_every_stock_writer_on_one_path(tmp_path):
         assert out["checkpoint_paths"] == ["tf_ckpt/ckpt-1", "tf_ckpt/ckpt-2"], out
         assert out["latest_checkpoint"] == "tf_ckpt/ckpt-2", out
         assert out["checkpoint_restores"] and out["checkpoint_write_reads"], out
+        assert out["checkpoint_equal_single_writer"], out
+        # saved_model.pb differs between two saves by one writer too (TF's function
+        # names); the variables are byte-for-byte a single writer's.
+        assert out["saved_model_files_equal"] == {
+            "saved_model.pb": False, "variables/variables.index": True,
+            "variables/variables.data-00000-of-00001": True}, out
         assert out["saved_model_value"] == [1.0, 2.0, 3.0], out
         assert out["export_matches"], out
         assert out["private_left"] == [], out  # other workers' temporaries are gone
