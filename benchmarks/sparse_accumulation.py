@@ -43,7 +43,6 @@ def settings(mode: str) -> dict:
 
 def measure(config: dict, variant: str) -> dict:
     """One process: RSS before, step time and peak RSS of `steps` micro-steps."""
-    import threading
     import time
 
     import psutil
@@ -76,9 +75,33 @@ def measure(config: dict, variant: str) -> dict:
             maxval=config["vocabulary"], dtype=tf.int32)
         strategy.run(micro_step, args=(tokens,))
 
+    def timed_steps():
+        for seed in range(1, config["steps"] + 1):
+            step(tf.constant(seed))
+        return float(tf.reduce_sum(accumulators[0].read_value()))  # waits for the last
+
     step(tf.constant(0))  # trace and warm up outside the timed window
     baseline = process.memory_info().rss
-    peak = [baseline]
+    started = time.perf_counter()
+    total, peak = _peak_rss_during(process, timed_steps)
+    elapsed = time.perf_counter() - started
+    mb = 1 << 20
+    return {
+        "variant": variant,
+        "replicas": strategy.num_replicas_in_sync,
+        "step_ms": 1000 * elapsed / config["steps"],
+        "baseline_rss_mb": baseline / mb,
+        "peak_rss_mb": peak / mb,
+        "increase_mb": (peak - baseline) / mb,
+        "accumulated_sum": total,
+    }
+
+
+def _peak_rss_during(process, fn):
+    """`fn()`'s value and the process's peak RSS (bytes) while it ran, sampled every ms."""
+    import threading
+
+    peak = [process.memory_info().rss]
     done = threading.Event()
 
     def sample():
@@ -88,23 +111,12 @@ def measure(config: dict, variant: str) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    started = time.perf_counter()
-    for seed in range(1, config["steps"] + 1):
-        step(tf.constant(seed))
-    total = float(tf.reduce_sum(accumulators[0].read_value()))  # waits for the last step
-    elapsed = time.perf_counter() - started
-    done.set()
-    sampler.join()
-    mb = 1 << 20
-    return {
-        "variant": variant,
-        "replicas": strategy.num_replicas_in_sync,
-        "step_ms": 1000 * elapsed / config["steps"],
-        "baseline_rss_mb": baseline / mb,
-        "peak_rss_mb": peak[0] / mb,
-        "increase_mb": (peak[0] - baseline) / mb,
-        "accumulated_sum": total,
-    }
+    try:
+        value = fn()
+    finally:
+        done.set()
+        sampler.join()
+    return value, max(peak[0], process.memory_info().rss)
 
 
 def run(mode: str) -> dict:
