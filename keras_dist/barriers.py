@@ -35,8 +35,8 @@ class BarrierTimeoutError(TimeoutError):
 def barrier(name: str | None = None, timeout_seconds: float | None = None) -> None:
     """Blocks until every worker of the multi-worker job has called `barrier` as often.
 
-    Every worker must call it the same number of times, in the same order (calls are
-    matched by their position, `name` only labels them in errors). In one process it
+    Every worker must call it the same number of times, in the same order and with the
+    same `name` (calls are matched by their position and name). In one process it
     returns at once. Call it after `keras_dist.strategy()` (or, in a multi-worker job,
     after `import keras_dist` and TensorFlow's first op).
 
@@ -69,7 +69,6 @@ def barrier(name: str | None = None, timeout_seconds: float | None = None) -> No
     from keras_dist.compat import coordination, registry
 
     registry.check("barrier")
-    _ensure_started()
     if not coordination.available():
         raise RuntimeError(
             "keras_dist.barrier() needs TensorFlow's coordination service, which this "
@@ -81,16 +80,10 @@ def barrier(name: str | None = None, timeout_seconds: float | None = None) -> No
     try:
         coordination.wait_at_barrier(barrier_id, timeout)
     except Exception as error:  # TF raises DeadlineExceededError (or Unavailable)
-        if "timed out" not in str(error).lower() and "deadline" not in type(error).__name__.lower():
+        timed_out = "timed out" in str(error).lower()
+        if not timed_out and "deadline" not in type(error).__name__.lower():
             raise
         raise _timeout_error(name, timeout_seconds, error, cluster) from error
-
-
-def _ensure_started() -> None:
-    # The coordination service starts with TensorFlow's runtime (the first op).
-    from tensorflow.python.eager import context
-
-    context.ensure_initialized()
 
 
 def _timeout_error(name, timeout_seconds, error, cluster) -> BarrierTimeoutError:

@@ -221,6 +221,12 @@ _WRITER_INTERNALS = (
         ("barrier",), "attribute lookup on tensorflow.python.eager.context.Context",
         _attribute(_tf_context_class, "wait_at_barrier")),
     Internal(
+        "tf.context.coordination_service",
+        "keras_dist.barrier() tells whether this process has a coordination service.",
+        ("barrier",), "`configure_coordination_service` still sets what it reads",
+        _code_mentions(_tf_context_class, "configure_coordination_service",
+                       r"self\._coordination_service_config =")),
+    Internal(
         "tf.context.set_config_key_value",
         "The chief publishes 'my file is complete' for stock writers.",
         ("strategy",), "attribute lookup on tensorflow.python.eager.context.Context",
