@@ -140,8 +140,8 @@ def wait_for_chief(key: str, path: str) -> None:
         value = coordination.get_value(key, timeout)
     except Exception as error:
         raise StockWriterError(
-            f"The chief did not finish writing {path!r} within {timeout:.0f} s "
-            f"({type(error).__name__}: {error}). Every worker must make the same saves "
+            f"The chief did not report {path!r} complete (waited up to {timeout:.0f} s; "
+            f"{type(error).__name__}: {error}). Every worker must make the same saves "
             f"in the same order; set {ENV_TIMEOUT} to wait longer, or {ENV_SWITCH}=0 to "
             "turn keras_dist's stock-writer handling off."
         ) from None
