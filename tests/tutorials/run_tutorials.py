@@ -12,12 +12,15 @@ shared filesystem is), runs tests/tutorials/NAME.py as `__main__` with the resul
 OUT_DIR/NAME.worker{worker}.json, and records "ok" or the traceback in
 OUT_DIR/status.worker<i>.json. In one process a failing tutorial does not stop the next;
 a launched worker stops at the first failure (its peers may be blocked in a collective,
-so the launcher must stop the group), and the caller starts the rest again.
+so the launcher must stop the group), and the caller starts the rest again. A tutorial
+that runs longer than $KERAS_DIST_TUTORIAL_TIMEOUT seconds (default 120) is taken for a
+hang: every thread's stack goes to OUT_DIR/hang.worker<i>.txt and the process exits 1.
 """
 
 import keras_dist  # first: before any TensorFlow op
 
 import argparse
+import faulthandler
 import json
 import os
 import runpy
@@ -26,6 +29,7 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT_ENV = "KERAS_DIST_TUTORIAL_TIMEOUT"
 
 
 def _task_index() -> int:
@@ -45,6 +49,8 @@ def main(argv=None) -> int:
     out_dir = os.path.abspath(args.out_dir)
     status_path = os.path.join(out_dir, f"status.worker{_task_index()}.json")
     status = {}
+    hang_file = open(os.path.join(out_dir, f"hang.worker{_task_index()}.txt"), "w")
+    timeout = float(os.environ.get(TIMEOUT_ENV, "120"))
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
     import keras
@@ -60,6 +66,11 @@ def main(argv=None) -> int:
                     os.path.join(out_dir, name + ".worker{worker}.json")]
         os.chdir(workdir)
         start = time.monotonic()
+        hang_file.seek(0)
+        hang_file.truncate()
+        hang_file.write(f"{name} ran longer than {timeout:g} s; stacks:\n")
+        hang_file.flush()
+        faulthandler.dump_traceback_later(timeout, exit=True, file=hang_file)
         try:
             runpy.run_path(sys.argv[0], run_name="__main__")
             status[name] = {"status": "ok"}
@@ -67,6 +78,7 @@ def main(argv=None) -> int:
             status[name] = {"status": "failed", "error": traceback.format_exc()}
             print(f"run_tutorials: {name} FAILED\n{status[name]['error']}", flush=True)
         finally:
+            faulthandler.cancel_dump_traceback_later()
             sys.argv = saved_argv
             os.chdir(saved_cwd)
         status[name]["seconds"] = round(time.monotonic() - start, 1)
