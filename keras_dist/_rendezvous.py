@@ -66,7 +66,7 @@ def startup_timeout(value, environ: Mapping[str, str] | None = None) -> float:
     """`startup_timeout_seconds`, else `KERAS_DIST_STARTUP_TIMEOUT`, else 600 s."""
     if value is not None:
         return _validation.check_number("startup_timeout_seconds", value, minimum=0,
-                                        unit="seconds", hint="or None")
+                                        unit="seconds", or_none=True)
     raw = (os.environ if environ is None else environ).get(ENV_NAME, "").strip()
     if not raw:
         return DEFAULT_STARTUP_TIMEOUT

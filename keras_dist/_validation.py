@@ -41,13 +41,14 @@ def check_int(name: str, value: Any, minimum: int | None = None, *, hint: str = 
 
 def check_number(name: str, value: Any, *, minimum: float | None = None,
                  exclusive: bool = True, hint: str = "", unit: str = "",
-                 error: type[Exception] = ValueError) -> float:
+                 error: type[Exception] = ValueError, or_none: bool = False) -> float:
     """`value` as a float, if it is a number above `minimum` (or at it, not exclusive)."""
     ok = is_number(value) and (
         minimum is None or (value > minimum if exclusive else value >= minimum))
     if not ok:
         bound = "" if minimum is None else f" {'>' if exclusive else '>='} {minimum:g}"
         expected = f"a number{bound}" + (f" ({unit})" if unit else "")
+        expected += " or None" if or_none else ""
         raise error(message(name, expected, value, hint))
     return float(value)
 
@@ -56,8 +57,7 @@ def check_optional_number(name: str, value: Any, **kwargs) -> float | None:
     """None stays None; anything else must pass `check_number`."""
     if value is None:
         return None
-    kwargs.setdefault("hint", "or None")
-    return check_number(name, value, **kwargs)
+    return check_number(name, value, or_none=True, **kwargs)
 
 
 def check_bool(name: str, value: Any, *, error: type[Exception] = ValueError) -> bool:

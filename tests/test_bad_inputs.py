@@ -61,6 +61,15 @@ def _cases() -> list[Case]:
     cases = [
         # -- strategy() ----------------------------------------------------------------
         _c("strategy", "keras_dist.strategy('tpu')", ValueError, "Argument `kind` must be one of"),
+        _c("strategy", "keras_dist.strategy(cross_device_ops='nccl')", ValueError,
+           "Argument `cross_device_ops` must be a tf.distribute.CrossDeviceOps instance"),
+        _c("strategy", "keras_dist.strategy(startup_timeout_seconds=0)", ValueError,
+           "Argument `startup_timeout_seconds` must be a number > 0 (seconds) or None"),
+        _c("barrier", "keras_dist.barrier(name=3)", ValueError, "Argument `name` must be None"),
+        _c("barrier", "keras_dist.barrier(timeout_seconds=-1)", ValueError,
+           "Argument `timeout_seconds` must be a positive number of seconds or None"),
+        _c("launch", "launch([sys.executable, '-c', 'pass'], tee=True)", ValueError,
+           "Argument `tee` must be False without `log_dir`"),
         _c("strategy", "keras_dist.strategy(implementation='mpi')", ValueError,
            "Argument `implementation` must be one of"),
         _c("strategy", "keras_dist.strategy(bytes_per_pack=-1)", ValueError,
@@ -250,6 +259,12 @@ def _callback_cases() -> list[Case]:
            "`warmup_steps`"),
         _c("Throughput", "callbacks.Throughput(global_batch_size=0)", ValueError,
            "`global_batch_size`"),
+        _c("StepTimeMonitor", "callbacks.StepTimeMonitor(every_n_steps=0)", ValueError,
+           "Argument `every_n_steps` must be an integer >= 1"),
+        _c("StepTimeMonitor", "callbacks.StepTimeMonitor(straggler_ratio=1)", ValueError,
+           "Argument `straggler_ratio` must be a number > 1"),
+        _c("Profiler", "callbacks.Profiler('x', steps=(0, 2))", ValueError,
+           "Argument `steps` must be a pair (a, b) of integers with 1 <= a <= b"),
     ]
 
 

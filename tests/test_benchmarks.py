@@ -61,7 +61,7 @@ def test_overhead_smoke(tmp_path):
 @pytest.mark.timeout(240)
 def test_scaling_smoke(tmp_path):
     results, result = _run_smoke("scaling", tmp_path)
-    assert result["strategies"] == ["_DefaultDistributionStrategy",
+    assert result["strategies"] == ["MirroredStrategy",
                                     "CollectiveAllReduceStrategy"]
     assert _positive_finite(result["breakdown_ms_2"]["gradient_all_reduce"])
     assert (tmp_path / bench_run.PLOT_NAME).stat().st_size > 0

@@ -26,7 +26,7 @@ def test_numbers_reject_nan_bool_and_out_of_range(value):
 
 def test_optional_number_and_hint():
     assert v.check_optional_number("timeout", None, minimum=0) is None
-    with pytest.raises(ValueError, match="or None"):
+    with pytest.raises(ValueError, match=r"must be a number > 0 or None\. Received"):
         v.check_optional_number("timeout", -1, minimum=0)
 
 

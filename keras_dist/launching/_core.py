@@ -91,7 +91,8 @@ def _check_call(caller, fn, args, kwargs, virtual_devices) -> None:
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise ValueError(_validation.message("kwargs", "a mapping", kwargs))
     if virtual_devices is not None:
-        _validation.check_int("virtual_devices", virtual_devices, minimum=1, hint="or None")
+        _validation.check_int("virtual_devices", virtual_devices, minimum=1,
+                              hint="Pass None to use the devices as they are.")
 
 
 def _payload(caller, directory, fn, args, kwargs, virtual_devices) -> str:
