@@ -6,7 +6,7 @@ equivalence matrix runs in a single process to keep CI time small.
 
 import pytest
 
-from keras_dist.testing import run_in_subprocess
+from keras_dist.testing import run_in_subprocess, run_on_workers
 
 TOLERANCE = 1e-5
 
@@ -153,3 +153,53 @@ def test_bad_inputs_get_clear_errors():
     assert "stage 1 expects input shape (None, 5)" in errors["shapes"]
     assert "at most the number of layers (2)" in errors["too_many"]
     assert "build the stages yourself" in errors["not_sequential"]
+
+
+def _hybrid_worker(global_x, global_y):
+    import keras
+    import numpy as np
+
+    import keras_dist
+    from keras_dist.parallel import PipelineModel, split_sequential
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                 keras.layers.Dense(8, activation="tanh"),
+                                 keras.layers.Dense(2)])
+
+    strategy = keras_dist.strategy()  # starts the collective runtime of the job
+    try:
+        with strategy.scope():
+            PipelineModel(split_sequential(make(), 2))
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    rank, size = keras_dist.worker_index(), keras_dist.num_workers()
+    share = len(global_x) // size
+    rows = slice(rank * share, (rank + 1) * share)
+    pipe = PipelineModel(split_sequential(make(), 2), num_microbatches=2, data_parallel=True)
+    pipe.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    pipe.fit(global_x[rows], global_y[rows], batch_size=share, epochs=3, shuffle=False,
+             verbose=0)
+    reference = make()
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    reference.fit(global_x, global_y, batch_size=len(global_x), epochs=3, shuffle=False,
+                  verbose=0)
+    return {"weights": [w.tolist() for w in pipe.get_weights()],
+            "vs_one_device": max(float(np.abs(a - b).max()) for a, b in
+                                 zip(pipe.get_weights(), reference.get_weights())),
+            "refusal": refusal}
+
+
+def test_pipeline_in_each_of_two_workers_equals_one_device():
+    import numpy as np
+
+    x = np.random.RandomState(1).randn(16, 6).astype("float32")
+    y = np.random.RandomState(2).randn(16, 2).astype("float32")
+    results = run_on_workers(_hybrid_worker, num_workers=2, args=(x, y), virtual_devices=2,
+                             timeout=180)
+    assert "outside a tf.distribute strategy scope" in results[0]["refusal"]
+    assert results[0]["weights"] == results[1]["weights"]
+    for result in results:
+        assert result["vs_one_device"] < TOLERANCE, result["vs_one_device"]

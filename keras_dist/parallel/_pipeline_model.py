@@ -51,6 +51,10 @@ class PipelineModel(keras.Model):
             multiple of it.
         remat: Recompute each stage's activations in the backward pass
             (`tf.recompute_grad`) instead of keeping them: less memory, more compute.
+        data_parallel: In a multi-worker job (`keras-dist launch`), average each stage's
+            gradients across workers before applying them (call `keras_dist.strategy()`
+            first to start the collective runtime; build this model outside its scope and
+            feed each worker its share of the global batch).
 
     Raises:
         ValueError: Devices count != stages, a device that does not exist, a stage whose
@@ -69,13 +73,24 @@ class PipelineModel(keras.Model):
     """
 
     def __init__(self, stages, devices=None, num_microbatches: int = 1, remat: bool = False,
-                 **kwargs):
+                 data_parallel: bool = False, **kwargs):
         super().__init__(**kwargs)
+        if tf.distribute.has_strategy():
+            # Measured on 2 launched workers x 2 logical CPUs: inside a
+            # MultiWorkerMirroredStrategy scope every stage variable became a
+            # MirroredVariable on CPU:0 (the strategy's only device per worker), silently
+            # undoing the split across devices.
+            raise ValueError(
+                "PipelineModel must be built outside a tf.distribute strategy scope: the "
+                "strategy mirrors every variable onto its own device per worker, undoing "
+                "the pipeline's placement. Build it outside the scope and pass "
+                "data_parallel=True to average gradients across workers.")
         if not isinstance(stages, (list, tuple)) or not stages:
             raise ValueError(_validation.message("stages", "a non-empty list of "
                                                  "keras.Sequential", stages))
         self.num_microbatches = _validation.check_int("num_microbatches", num_microbatches, 1)
         self.remat = _validation.check_bool("remat", remat)
+        self.data_parallel = _validation.check_bool("data_parallel", data_parallel)
         self.devices = tuple(placement.resolve_devices(devices, len(stages)))
         self.stages = [_place(stage, device) for stage, device in zip(stages, self.devices)]
         _check_stage_shapes(self.stages)
@@ -138,6 +153,11 @@ class PipelineModel(keras.Model):
                     for total, g, device in zip(sums, grads, self.devices)]
             losses.append(loss)
             predictions.append(prediction)
+        if self.data_parallel:
+            from keras_dist import num_workers
+            from keras_dist.parallel._cross_worker import all_reduce_stage_gradients
+
+            sums = all_reduce_stage_gradients(sums, self.devices, num_workers())
         self.optimizer.apply_gradients(
             zip([g for stage in sums for g in stage], [v for vs in stage_variables for v in vs]))
         y_pred = tf.concat(predictions, axis=0)
@@ -161,7 +181,7 @@ class PipelineModel(keras.Model):
         config = super().get_config()
         config.update(stages=[keras.saving.serialize_keras_object(s) for s in self.stages],
                       devices=list(self.devices), num_microbatches=self.num_microbatches,
-                      remat=self.remat)
+                      remat=self.remat, data_parallel=self.data_parallel)
         return config
 
     @classmethod
