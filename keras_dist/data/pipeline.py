@@ -226,6 +226,8 @@ def distribute_dataset(
     map_fn=None,
     drop_remainder: bool | None = None,
     cache: bool = False,
+    feature_columns=None,
+    label_columns=None,
 ):
     """Builds the sharded, shuffled, batched input for distributed `fit`/`evaluate`/`predict`.
 
@@ -251,7 +253,8 @@ def distribute_dataset(
         source: NumPy arrays, or a tuple `(x, y)` / `(x, y, sample_weight)` / dict (nests
             allowed) of equally long arrays; a `tf.data.Dataset` of unbatched elements;
             a list of TFRecord file paths or a glob string (elements are the serialized
-            records: parse them in `map_fn`); or a function
+            records: parse them in `map_fn`); a Ray Data shard (with
+            `feature_columns`/`label_columns`); or a function
             `input_context -> tf.data.Dataset` returning this worker's unbatched
             elements (it shards itself, by `input_context.input_pipeline_id` of
             `input_context.num_input_pipelines`).
@@ -270,6 +273,11 @@ def distribute_dataset(
         drop_remainder: Drop the last partial global batch. Default (None): True for
             multi-worker training with `repeat=True`, False otherwise.
         cache: Cache each worker's shard in memory after `map_fn` (before the shuffle).
+        feature_columns: For a Ray Data source only (`ray.train.get_dataset_shard(...)`,
+            already split across workers by Ray, so not sharded again): the feature
+            column name, or a list of names (then `x` is a dict of tensors), as in Ray's
+            `DataIterator.to_tf`.
+        label_columns: For a Ray Data source only: the label column name or names.
 
     Returns:
         What Keras consumes: on TensorFlow's default strategy a `tf.data.Dataset`,
@@ -283,9 +291,11 @@ def distribute_dataset(
         ValueError: `per_replica_batch_size` or `seed` is not an integer >= 1 / >= 0,
             `shuffle_buffer` < 1, arrays have different lengths or none, a tuple/dict is
             empty, a glob matches nothing or a file is missing, or `drop_remainder=True`
-            leaves no step.
-        TypeError: `source` has an unsupported type, `map_fn` is not callable, or a flag
-            is not a bool.
+            leaves no step, or a Ray Data source lacks a named column (the message lists
+            the shard's columns).
+        TypeError: `source` has an unsupported type, `map_fn` is not callable, a flag
+            is not a bool, or `feature_columns`/`label_columns` are given for a source
+            that is not Ray Data.
         RuntimeError: `strategy` is None and the environment describes several workers,
             but `keras_dist.strategy()` has not created the multi-worker strategy yet.
 
@@ -312,7 +322,7 @@ def distribute_dataset(
             "Argument `map_fn` must be a function applied to each element, or None. "
             f"Received: map_fn={map_fn!r}"
         )
-    source = _data_sources.make_source(source)
+    source = _data_sources.make_source(source, feature_columns, label_columns)
     import tensorflow as tf
 
     explicit_strategy = strategy is not None

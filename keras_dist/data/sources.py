@@ -190,14 +190,28 @@ class FunctionSource(Source):
         return self.call(input_context)
 
 
-def make_source(source) -> Source:
+def make_source(source, feature_columns=None, label_columns=None) -> Source:
     """Validates `source` and wraps it in the matching `Source`.
 
+    `feature_columns`/`label_columns` select the columns of a Ray Data source (see
+    `keras_dist/data/ray_source.py`); other sources take neither.
+
     Raises:
-        TypeError: The source type is not supported.
+        TypeError: The source type is not supported, or columns are given for a source
+            that has none.
         ValueError: Arrays are empty or of different lengths, a nest is empty, a glob
-            matches nothing, or a listed file does not exist.
+            matches nothing, a listed file does not exist, or a Ray Data column is missing.
     """
+    from keras_dist.data import ray_source
+
+    if ray_source.is_ray_data(source):
+        return ray_source.RayDataSource(source, feature_columns, label_columns)
+    if feature_columns is not None or label_columns is not None:
+        raise TypeError(
+            "Arguments `feature_columns`/`label_columns` select columns of a Ray Data "
+            f"shard; the source is a {type(source).__name__}. Received: "
+            f"feature_columns={feature_columns!r}, label_columns={label_columns!r}"
+        )
     import tensorflow as tf
 
     if isinstance(source, tf.data.Dataset):

@@ -1,0 +1,158 @@
+"""Keras 3 + keras_dist inside Ray Train's `TensorflowTrainer`: what Ray lacks.
+
+`keras_dist.strategy()`, `distribute_dataset` (including a Ray Data shard) and the
+callbacks already work unchanged in a `train_loop_per_worker`: Ray sets `TF_CONFIG` in
+each worker and keras_dist reads it. This module exists for three gaps of Ray 2.60 that
+users hit with Keras 3, each measured in `tests/test_ray.py`:
+
+* `ReportCheckpointCallback`: Ray's `ray.train.tensorflow.keras.ReportCheckpointCallback`
+  subclasses `tensorflow.keras.callbacks.Callback`, and Ray's TensorFlow backend sets
+  `TF_USE_LEGACY_KERAS=1` in every worker (`ray/train/tensorflow/config.py`), so that
+  base is tf_keras' (Keras 2) and its checkpoint is written with tf_keras' format. This
+  one is a Keras 3 callback: every worker calls `ray.train.report` (Ray Train requires
+  all workers to report), the chief attaches a checkpoint directory with the model's
+  weights, the others write to a discarded temporary path (collectives line up).
+* `init_local`: Ray's `ray.init(_node_ip_address="127.0.0.1")` does not keep Ray on
+  loopback: `resolve_ip_for_localhost` (`ray/_private/services.py`) replaces a loopback
+  address with the machine's routable one, so `TF_CONFIG` names that address and
+  TensorFlow's gRPC collectives talk over it. `init_local` starts a one-machine Ray
+  cluster whose node address, TF_CONFIG and listening sockets are all 127.0.0.1, with
+  quiet logs: what tests, notebooks and laptops want.
+* `restore_weights`: loads the weights of a Ray checkpoint written by
+  `ReportCheckpointCallback` (e.g. `result.checkpoint` after `trainer.fit()`).
+
+Restarts: with `RunConfig(failure_config=FailureConfig(max_failures=...))` Ray restarts
+the whole worker group after a worker dies; keras_dist's `BackupAndRestore(backup_dir)`
+on a directory every worker sees then resumes from the last backed-up epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import keras
+
+from keras_dist._callback_base import Callback
+from keras_dist.checkpointing import chief_path
+from keras_dist.cluster import is_chief
+
+__all__ = ["ReportCheckpointCallback", "init_local", "restore_weights"]
+
+WEIGHTS_FILE = "model.weights.h5"
+
+
+def init_local(num_cpus: int = 2, **init_kwargs):
+    """Starts (or joins) a local Ray cluster that binds and talks on 127.0.0.1 only.
+
+    Use it instead of `ray.init()` for one-machine runs (tests, notebooks, a laptop).
+    Call it before importing `ray` yourself, or set `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`
+    in the environment: Ray reads that variable once, at import.
+
+    Args:
+        num_cpus: CPUs Ray may schedule (one per training worker plus Ray Train's own
+            actors' share).
+        **init_kwargs: Passed to `ray.init` (they override the defaults here).
+
+    Raises:
+        RuntimeError: Ray would use a non-loopback node address (it was imported before
+            the variable was set, or the environment overrides it).
+
+    Returns:
+        What `ray.init` returns.
+
+    Example:
+        >>> from keras_dist.integrations import ray as kd_ray
+        >>> kd_ray.init_local(num_cpus=2)
+    """
+    # On Linux Ray resolves 127.0.0.1 to the routable address unless it believes it is a
+    # single-machine install (the Windows/macOS default); children inherit the variable.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    import logging
+
+    import ray
+
+    if not ray.is_initialized() and ray.util.get_node_ip_address() != "127.0.0.1":
+        # Ray read the variable when it was first imported; starting now would bind the
+        # routable address.
+        raise RuntimeError(
+            "Ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set, so it "
+            f"would start on {ray.util.get_node_ip_address()}, not 127.0.0.1. Set "
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in the environment (or call init_local "
+            "before importing ray)."
+        )
+    settings = dict(num_cpus=num_cpus, _node_ip_address="127.0.0.1",
+                    include_dashboard=False, logging_level=logging.ERROR,
+                    log_to_driver=False)
+    settings.update(init_kwargs)
+    context = ray.init(**settings)
+    address = ray.util.get_node_ip_address()
+    if address != "127.0.0.1":
+        ray.shutdown()
+        raise RuntimeError(
+            f"Ray chose node address {address} instead of 127.0.0.1; refusing to run "
+            "a local cluster on a routable address. Is RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER "
+            "overridden in this environment?"
+        )
+    return context
+
+
+class ReportCheckpointCallback(Callback):
+    """Reports metrics (and a chief-written checkpoint) to Ray Train after each epoch.
+
+    Use it in a `TensorflowTrainer`'s `train_loop_per_worker` with a Keras 3 model, in
+    place of Ray's tf_keras-based callback of the same name.
+
+    Args:
+        checkpoint: Attach a checkpoint (the model's weights) to each report.
+        metrics: Log names to report; default all of `logs`.
+
+    Example:
+        >>> model.fit(data, epochs=3, callbacks=[ReportCheckpointCallback()])
+    """
+
+    def __init__(self, checkpoint: bool = True, metrics: list[str] | None = None):
+        super().__init__()
+        self.checkpoint = bool(checkpoint)
+        self.metrics = list(metrics) if metrics is not None else None
+
+    def on_epoch_end(self, epoch, logs=None):
+        import ray.train
+
+        logs = dict(logs or {})
+        names = self.metrics if self.metrics is not None else list(logs)
+        report = {name: float(logs[name]) for name in names if name in logs}
+        report["epoch"] = epoch
+        if not self.checkpoint:
+            ray.train.report(report)
+            return
+        directory = tempfile.mkdtemp(prefix="keras_dist_ray_checkpoint_")
+        try:
+            # Every worker saves (reading distributed variables may need collectives);
+            # only the chief's directory becomes the Ray checkpoint. The directories
+            # differ per worker, so the others write to keras_dist's private path (a
+            # stock save to a path of their own would wait for the chief to save it).
+            self.model.save_weights(chief_path(os.path.join(directory, WEIGHTS_FILE)))
+            checkpoint = (ray.train.Checkpoint.from_directory(directory)
+                          if is_chief() else None)
+            ray.train.report(report, checkpoint=checkpoint)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def restore_weights(model: keras.Model, checkpoint) -> keras.Model:
+    """Loads into `model` the weights of a checkpoint `ReportCheckpointCallback` wrote.
+
+    Args:
+        model: A built model of the same architecture.
+        checkpoint: A `ray.train.Checkpoint` (e.g. `result.checkpoint`).
+
+    Returns:
+        `model`.
+    """
+    with checkpoint.as_directory() as directory:
+        model.load_weights(os.path.join(directory, WEIGHTS_FILE))
+    return model
