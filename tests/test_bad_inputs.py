@@ -229,6 +229,8 @@ def _data_cases() -> list[Case]:
            ValueError, "Argument `shuffle_buffer` must be an integer >= 1"),
         _c("distribute_dataset", "keras_dist.distribute_dataset(X, 8, map_fn=3)", TypeError,
            "Argument `map_fn` must be a function"),
+        _c("distribute_dataset", "keras_dist.distribute_dataset(X, 8, feature_columns='x')",
+           TypeError, "select columns of a Ray Data shard"),
         _c("distribute_dataset", "keras_dist.distribute_dataset((X, X[:5]), 8)", ValueError,
            "arrays of different lengths"),
         _c("distribute_dataset", "keras_dist.distribute_dataset({}, 8)", ValueError,
