@@ -12,7 +12,6 @@ training computes. `docs/ARCHITECTURE.md` renders this table (`render_markdown()
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from typing import Callable, Iterable
 
@@ -99,16 +98,6 @@ def _tf_path(path: str) -> Callable[[], str | None]:
         return None
 
     return check
-
-
-def _module_class(module: str, name: str):
-    def resolve():
-        try:
-            return getattr(importlib.import_module(module), name, None)
-        except ImportError:
-            return None
-
-    return resolve
 
 
 def _tf_data_classes() -> str | None:
@@ -345,14 +334,6 @@ INTERNALS: tuple[Internal, ...] = (
         "Aggregation picks a replica-context cond or a merge_call like Keras does.",
         ("aggregation",), "attribute lookup",
         _tf_path("__internal__.distribute.strategy_supports_no_merge_call")),
-    Internal(
-        "tf.CollectiveAllReduceExtended._num_workers",
-        "Preemption handling tells a multi-worker strategy from a one-worker one.",
-        ("checkpointing",), "the extended's `_initialize_multi_worker` still sets it",
-        _code_mentions(_module_class(
-            "tensorflow.python.distribute.collective_all_reduce_strategy",
-            "CollectiveAllReduceExtended"), "_initialize_multi_worker",
-            r"self\._num_workers =")),
     Internal(
         "tf.data private dataset classes and `_input_dataset`",
         "distribute_dataset warns when handed an already batched dataset.",
