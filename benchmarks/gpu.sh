@@ -59,5 +59,14 @@ for replicas in 2 4; do
         failed=$((failed + 1))
     fi
 done
+# Pipeline parallelism (keras_dist.parallel): 2 stages on 2 logical GPUs of one card;
+# memory per logical device from tf.config.experimental.get_memory_info.
+echo "=== pipeline, 2 stages on 2 virtual GPUs ==="
+if "$PYTHON" benchmarks/pipeline.py "${MODE_FLAG[@]}" --output "$OUT_DIR/gpu_pipeline.json"; then
+    succeeded=$((succeeded + 1))
+else
+    failed=$((failed + 1))
+    echo "benchmarks/gpu.sh: pipeline failed"
+fi
 echo "benchmarks/gpu.sh: $succeeded configuration(s) ran, $failed failed; results in $OUT_DIR"
 [[ $succeeded -gt 0 ]]

@@ -203,3 +203,22 @@ def test_pipeline_in_each_of_two_workers_equals_one_device():
     assert results[0]["weights"] == results[1]["weights"]
     for result in results:
         assert result["vs_one_device"] < TOLERANCE, result["vs_one_device"]
+
+
+def test_pipeline_benchmark_smoke(tmp_path, capsys):
+    import json
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    from benchmarks import pipeline as bench
+
+    output = tmp_path / "pipeline.json"
+    assert bench.main(["--smoke", "--output", str(output)]) == 0
+    result = json.loads(output.read_text())["pipeline"]
+    assert [row["microbatches"] for row in result["throughput"]] == [1, 2]
+    assert result["throughput"][1]["bubble"] == 1 / 3
+    assert set(result["throughput"][0]["bytes_by_device"]) == {"CPU:0", "CPU:1"}
+    assert set(result["memory"]) == {"False", "True"}
+    assert "bubble" in capsys.readouterr().out
