@@ -38,9 +38,9 @@ def _equivalence_matrix():
                     pipe = PipelineModel(split_sequential(make(), stages),
                                          num_microbatches=microbatches, remat=remat)
                     # Tracing dominates these tiny models: the compiled (tf.function) path
-                    # runs for M=4, the others eagerly (same code, no trace).
+                    # runs for K=4 M=4, the others eagerly (same code, no trace).
                     pipe.compile(optimizer=optimizer(), loss="mse", metrics=["mae"],
-                                 run_eagerly=microbatches != 4)
+                                 run_eagerly=(stages, microbatches) != (4, 4))
                     logs = pipe.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
                     weights = max(float(np.abs(a - b).max()) for a, b in
                                   zip(reference.get_weights(), pipe.get_weights()))
@@ -134,6 +134,7 @@ def _bad_inputs():
                  verbose=0)
 
     return {
+        "auto": [len(s.layers) for s in split_sequential(model, 2, device_map="auto")],
         "batch": error(bad_batch),
         "count": error(lambda: PipelineModel(stages, devices=["/device:CPU:0"])),
         "missing": error(lambda: PipelineModel(stages, devices=["/device:CPU:0",
@@ -146,6 +147,7 @@ def _bad_inputs():
 
 def test_bad_inputs_get_clear_errors():
     errors = run_in_subprocess(_bad_inputs, virtual_devices=2, timeout=120)
+    assert errors["auto"] == [1, 1]
     assert "num_microbatches=4" in errors["batch"] and "[4, 8]" in errors["batch"]
     assert "2 device names" in errors["count"] and "Got 1 devices" in errors["count"]
     assert "/device:GPU:7" in errors["missing"] and "/device:CPU:1" in errors["missing"]

@@ -61,7 +61,7 @@ class PipelineModel(keras.Model):
             output does not fit the next stage's input, a bad `num_microbatches`.
 
     Example:
-        >>> import keras_dist
+        >>> import keras, tensorflow as tf
         >>> from keras_dist.parallel import PipelineModel, split_sequential
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
         ...                           keras.layers.Dense(1)])

@@ -52,6 +52,8 @@ def split_sequential(model, num_stages: int, balance="params", device_map=None) 
         ValueError: `model` is not sequential, more stages than layers, or a bad `balance`.
 
     Example:
+        >>> import keras
+        >>> from keras_dist.parallel import split_sequential
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
         ...                           keras.layers.Dense(8), keras.layers.Dense(1)])
         >>> [len(s.layers) for s in split_sequential(model, 2, balance=[1, 2])]

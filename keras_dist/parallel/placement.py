@@ -78,11 +78,23 @@ def device_capacities(devices: Sequence[str]) -> list[float]:
     for device in devices:
         if "GPU" in device.upper():
             info = tf.config.experimental.get_memory_info(device.replace("/device:", ""))
-            limit = info.get("limit") or info.get("peak", 0)
-            capacities.append(float(max(limit - info["current"], 1)))
+            limit = info.get("limit") or _logical_gpu_limit(device)
+            # Without a known limit the devices are taken as equal.
+            capacities.append(float(max(limit - info["current"], 1)) if limit else 1.0)
         else:
             capacities.append(1.0)
     return capacities
+
+
+def _logical_gpu_limit(device: str) -> int:
+    """Bytes of a logical GPU made with a memory limit (`virtual_devices`), else 0."""
+    import tensorflow as tf
+
+    index, configs = int(device.rsplit(":", 1)[1]), []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        configs += tf.config.get_logical_device_configuration(gpu) or [None]
+    config = configs[index] if index < len(configs) else None
+    return int(config.memory_limit * 2**20) if config and config.memory_limit else 0
 
 
 def balance_by_weight(weights: Sequence[float], capacities: Sequence[float]) -> list[int]:

@@ -57,6 +57,8 @@ class ShardedDense(_Sharded):
         use_bias: Whether to add a bias.
 
     Example:
+        >>> import numpy as np
+        >>> from keras_dist.parallel import ShardedDense
         >>> layer = ShardedDense(4, devices=["/device:CPU:0", "/device:CPU:0"])
         >>> layer(np.ones((2, 3), "float32")).shape
         TensorShape([2, 4])
@@ -150,6 +152,8 @@ class ShardedEmbedding(_Sharded):
         devices: Device names (`None`: the local GPUs, else logical CPUs).
 
     Example:
+        >>> import numpy as np
+        >>> from keras_dist.parallel import ShardedEmbedding
         >>> layer = ShardedEmbedding(10, 4, devices=["/device:CPU:0", "/device:CPU:0"])
         >>> layer(np.array([[1, 9]])).shape
         TensorShape([1, 2, 4])
