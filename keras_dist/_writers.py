@@ -36,6 +36,7 @@ ENV_TIMEOUT = "KERAS_DIST_STOCK_WRITERS_TIMEOUT"
 _DEFAULT_TIMEOUT_SECONDS = 3600.0
 TMP_PREFIX = ".tmp-keras-dist-"
 PRIVATE_PREFIX = "keras_dist-worker"
+USER_WORKER_PREFIX = "workertemp_"
 
 _state = threading.local()
 _counts: collections.Counter = collections.Counter()
@@ -57,9 +58,16 @@ def active() -> bool:
 
 
 def is_private(path: str) -> bool:
-    """True for paths keras_dist already made private (temporary) for this worker."""
+    """True for paths private to this worker, written as given.
+
+    Those keras_dist made private, and those the user made per-worker with
+    TensorFlow's own convention (`workertemp_<task_id>`, the multi_worker_with_keras
+    tutorial's `write_filepath` and tf_keras' internal one): the chief saves another
+    path then, so waiting for it to save this one would never end.
+    """
     parts = os.path.abspath(path).split(os.sep)
-    return any(part.startswith((PRIVATE_PREFIX, TMP_PREFIX)) for part in parts)
+    return any(part.startswith((PRIVATE_PREFIX, TMP_PREFIX, USER_WORKER_PREFIX))
+               for part in parts)
 
 
 @contextlib.contextmanager
@@ -94,7 +102,12 @@ def write(path: str, write_to: Callable[[str], Any], *, in_place: bool = False,
     Returns:
         What `write_to` returned.
     """
-    if not active() or is_remote(path) or is_private(path):
+    if not active() or is_remote(path):
+        return write_to(path)
+    chief_path = chief_path_for(path)
+    if chief_path is not None:
+        return _write_per_worker_path(path, chief_path, write_to)
+    if is_private(path):
         return write_to(path)
     with _nested() as nested:
         from keras_dist import _runtime
@@ -109,6 +122,29 @@ def write(path: str, write_to: Callable[[str], Any], *, in_place: bool = False,
         result = _private_write(path, write_to)
         wait_for_chief(key, path)
         return path if returns_path else result
+
+
+def chief_path_for(path: str) -> str | None:
+    """The chief's path for a per-worker path of TensorFlow's convention, else None.
+
+    The multi_worker_with_keras tutorial (and tf_keras) save from worker i to
+    `dir/workertemp_i/name` while the chief saves `dir/name`.
+    """
+    parts = os.path.abspath(path).split(os.sep)
+    kept = [part for part in parts if not part.startswith(USER_WORKER_PREFIX)]
+    return os.sep.join(kept) if len(kept) != len(parts) else None
+
+
+def _write_per_worker_path(path, chief_path, write_to):
+    # The user chose this worker's own path (and removes it); write it as given, then
+    # return once the chief's file is complete, so loading the chief's path right after
+    # works here too ("the chief saves, then every worker loads").
+    from keras_dist import _runtime
+
+    result = write_to(path)
+    if not _runtime.is_chief():
+        wait_for_chief(_key(chief_path), chief_path)
+    return result
 
 
 def _chief_write(path, write_to, key, in_place):

@@ -88,6 +88,24 @@ COMPARABLE = {
 }
 
 
+# Open bugs (issue 10 stays open on them); strict, so a fix turns these tests red until
+# the mark is removed.
+KNOWN_OPEN = {
+    ("two_workers", "save_and_load"): (
+        "issue 10 open: under 2 launched workers, tf.saved_model.load of the directory "
+        "model.export just replaced restores a variable of another shape (Shape "
+        "mismatch (3, 3, 1, 8) vs (1352, 16))"),
+    ("two_workers-numerics", "multi_worker_with_keras"): (
+        "issue 10 open: the model loaded from the chief's .keras file and fit again "
+        "differs from one device by 7e-4 on 2 launched workers"),
+}
+
+
+def _known_open(mode, name):
+    reason = KNOWN_OPEN.get((mode, name))
+    return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+
+
 # ---------------------------------------------------------------------------------------
 # Running one mode
 
@@ -294,7 +312,8 @@ def test_two_virtual_devices(mode_runs, name):
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(MODE_TIMEOUT + 60)
-@pytest.mark.parametrize("name", TUTORIALS)
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=_known_open("two_workers", name)) for name in TUTORIALS])
 def test_two_launched_workers(mode_runs, name):
     entry = _succeeded(mode_runs, "two_workers", name)
     first, second = entry["results"]
@@ -315,7 +334,8 @@ def _mode_params():
     params = []
     for mode in ("two_devices", "two_workers"):
         marks = [pytest.mark.multiworker] if mode == "two_workers" else []
-        params += [pytest.param(mode, name, marks=marks, id=f"{mode}-{name}")
+        params += [pytest.param(mode, name, marks=marks + _known_open(mode, name),
+                                id=f"{mode}-{name}")
                    for name in TUTORIALS]
     return params
 
@@ -340,7 +360,8 @@ def _numeric_params():
     params = []
     for mode, tutorials in COMPARABLE.items():
         marks = [pytest.mark.multiworker] if mode == "two_workers" else []
-        params += [pytest.param(mode, name, marks=marks, id=f"{mode}-{name}")
+        params += [pytest.param(mode, name, id=f"{mode}-{name}", marks=marks + (
+                       _known_open(mode, name) or _known_open(f"{mode}-numerics", name)))
                    for name in tutorials]
     return params
 

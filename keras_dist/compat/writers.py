@@ -100,13 +100,39 @@ def _patch_model() -> None:
     _patch.patch(model, "save_weights", patched_save_weights, fix=NAME)
 
 
+def _map_localhost_io_device(kwargs) -> None:
+    """`experimental_io_device='/job:localhost'` -> this worker's own job.
+
+    The save_and_load tutorial saves and loads "on localhost", a job that exists only
+    while no cluster is configured; in a worker it is an unknown device. The intent -
+    do the I/O on this process's host - is this worker's own task.
+    """
+    options = kwargs.get("options")
+    device = getattr(options, "experimental_io_device", None)
+    if not device or not _writers.active() or not device.startswith("/job:localhost"):
+        return
+    import copy
+
+    from keras_dist import _runtime
+
+    cluster = _runtime.cluster()
+    own = f"/job:{cluster.task_type}/replica:0/task:{cluster.task_index}"
+    options = copy.copy(options)
+    options.experimental_io_device = re.sub(
+        r"^/job:localhost(/replica:\d+)?(/task:\d+)?", own, device)
+    kwargs["options"] = options
+
+
 def _patch_tensorflow() -> None:
     import tensorflow as tf
 
     saved_model_save = _patch.original(tf.saved_model, "save")
 
+    saved_model_load = _patch.original(tf.saved_model, "load")
+
     @functools.wraps(saved_model_save)
     def patched_saved_model_save(obj, export_dir, *args, **kwargs):
+        _map_localhost_io_device(kwargs)
         path = _path_or_none(export_dir)
         if path is None:
             return saved_model_save(obj, export_dir, *args, **kwargs)
@@ -127,7 +153,13 @@ def _patch_tensorflow() -> None:
         return _writers.write(path, lambda target: write(self, target, options),
                               in_place=True, returns_path=True)
 
+    @functools.wraps(saved_model_load)
+    def patched_saved_model_load(export_dir, *args, **kwargs):
+        _map_localhost_io_device(kwargs)
+        return saved_model_load(export_dir, *args, **kwargs)
+
     _patch.patch(tf.saved_model, "save", patched_saved_model_save, fix=NAME)
+    _patch.patch(tf.saved_model, "load", patched_saved_model_load, fix=NAME)
     _patch.patch(checkpoint, "_write", patched_write, fix=NAME)
 
 
