@@ -48,7 +48,7 @@ _LAZY = {
     "verbose": "keras_dist.checkpointing",
     "barrier": "keras_dist.barriers",
 }
-_LAZY_MODULES = ("callbacks", "aggregation", "launch", "testing", "data", "batching")
+_LAZY_MODULES = ("callbacks", "aggregation", "launch", "testing", "data", "batching", "parallel")
 
 __all__ = [
     "ClusterConfig",
