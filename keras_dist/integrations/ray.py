@@ -6,12 +6,14 @@ each worker and keras_dist reads it. This module exists for three gaps of Ray 2.
 users hit with Keras 3, each measured in `tests/test_ray.py`:
 
 * `ReportCheckpointCallback`: Ray's `ray.train.tensorflow.keras.ReportCheckpointCallback`
-  subclasses `tensorflow.keras.callbacks.Callback`, and Ray's TensorFlow backend sets
-  `TF_USE_LEGACY_KERAS=1` in every worker (`ray/train/tensorflow/config.py`), so that
-  base is tf_keras' (Keras 2) and its checkpoint is written with tf_keras' format. This
-  one is a Keras 3 callback: every worker calls `ray.train.report` (Ray Train requires
-  all workers to report), the chief attaches a checkpoint directory with the model's
-  weights, the others write to a discarded temporary path (collectives line up).
+  (and Ray's documented pattern) has every worker save into its own `tempfile.mkdtemp()`
+  directory. Under keras_dist's stock-writer protocol a non-chief save waits for the chief
+  to save *the same path*, which it never does (measured with Ray's documented example:
+  worker 1 waits). Ray also sets `TF_USE_LEGACY_KERAS=1` too late to matter (TensorFlow is
+  already imported in the worker; `tf.keras` there is Keras 3, measured), so a Keras 3
+  checkpoint name (`.weights.h5`) is needed. This callback saves with `chief_path()` (the
+  others write to a private path, no wait), every worker calls `ray.train.report` (Ray
+  Train V2 requires all to), and only the chief attaches the checkpoint.
 * `init_local`: Ray's `ray.init(_node_ip_address="127.0.0.1")` does not keep Ray on
   loopback: `resolve_ip_for_localhost` (`ray/_private/services.py`) replaces a loopback
   address with the machine's routable one, so `TF_CONFIG` names that address and
