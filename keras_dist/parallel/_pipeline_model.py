@@ -26,9 +26,9 @@ def _split(structure, num_microbatches: int):
     """`num_microbatches` slices of every tensor in `structure` along the batch axis."""
     if structure is None:
         return [None] * num_microbatches
-    parts = tf.nest.map_structure(lambda t: tf.split(t, num_microbatches), structure)
-    return [tf.nest.map_structure(lambda p, i=i: p[i], parts, is_leaf=lambda p: isinstance(p, list))
-            for i in range(num_microbatches)] if not isinstance(parts, list) else parts
+    flat = [tf.split(t, num_microbatches) for t in tf.nest.flatten(structure)]
+    return [tf.nest.pack_sequence_as(structure, [parts[i] for parts in flat])
+            for i in range(num_microbatches)]
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
