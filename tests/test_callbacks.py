@@ -47,8 +47,8 @@ def _learning_rates(model, callbacks, epochs=1):
 def test_public_surface():
     assert sorted(kd_callbacks.__all__) == [
         "BackupAndRestore", "BackupError", "GradientAggregation", "GradientNormLogger",
-        "LearningRateWarmup", "ModelCheckpoint", "ReplicaDivergenceError", "ReplicaSyncCheck",
-        "TensorBoard", "Throughput",
+        "LearningRateWarmup", "ModelCheckpoint", "Profiler", "ReplicaDivergenceError",
+        "ReplicaSyncCheck", "StepTimeMonitor", "TensorBoard", "Throughput",
     ]
     for name in kd_callbacks.__all__:
         if name not in ("ReplicaDivergenceError", "BackupError"):
