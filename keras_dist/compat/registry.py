@@ -299,15 +299,19 @@ INTERNALS: tuple[Internal, ...] = (
         f"The stock-option fixes (compat.optimizer_options) call it as Keras' "
         f"`_backend_apply_gradients` does: {why}.",
         ("strategy",), "`_backend_apply_gradients` still calls it",
-        _code_mentions(_base_optimizer, "_backend_apply_gradients", rf"self\.{name}\("))
-      for name, why in (
-          ("_clip_gradients", "clipping moves to after the all-reduce"),
-          ("_backend_update_step", "the accumulated update (it all-reduces)"),
-          ("_apply_weight_decay", "weight decay in the accumulated update"),
-          ("_backend_increment_gradient_accumulators", "accumulation without communication"),
-          ("_backend_reset_gradient_accumulators", "reset after the accumulated update"),
-          ("_update_model_variables_moving_average", "EMA after every micro-step"),
-          ("_overwrite_model_variables_with_average_value", "EMA overwrite"),
+        _all(_attribute(_base_optimizer, name),
+             _code_mentions(_base_optimizer, "_backend_apply_gradients", rf"self\.{pattern}\(")))
+      for name, why, pattern in (
+          ("_clip_gradients", "clipping moves to after the all-reduce", "_clip_gradients"),
+          ("_backend_update_step", "the accumulated update (it all-reduces)", "_backend_update_step"),
+          ("_apply_weight_decay", "weight decay in the accumulated update", "_apply_weight_decay"),
+          ("_backend_increment_gradient_accumulators", "accumulation without communication", "_backend_increment_gradient_accumulators"),
+          ("_backend_reset_gradient_accumulators", "reset after the accumulated update", "_backend_reset_gradient_accumulators"),
+          ("_update_model_variables_moving_average", "EMA after every micro-step", "_update_model_variables_moving_average"),
+          ("_overwrite_model_variables_with_average_value", "EMA overwrite (called directly, "
+           "or through _backend_maybe_overwrite_model_variables in the 3.16 nightlies)",
+           "(_overwrite_model_variables_with_average_value|"
+           "_backend_maybe_overwrite_model_variables)"),
       )),
     Internal(
         "keras.Optimizer._accumulated_gradients",
