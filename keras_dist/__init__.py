@@ -21,9 +21,12 @@ from keras_dist.cluster import (
 )
 from keras_dist.devices import local_devices, physical_devices, virtual_devices
 
-# Imported eagerly (it imports TensorFlow lazily) so that the name `keras_dist.strategy`
-# is the factory function, not the submodule of the same name.
-from keras_dist.strategy import resolve_strategy, strategy
+# `keras_dist.strategy` is the factory function. The old module of that name
+# (keras_dist/strategy.py, now a re-export of keras_dist.strategies) is loaded first, so
+# that a later `import keras_dist.strategy` finds it in sys.modules and does not rebind
+# the package attribute; the function is bound after it.
+importlib.import_module("keras_dist.strategy")
+from keras_dist.strategies import resolve_strategy, strategy  # noqa: E402
 
 # The one import-time side effect (house rule 4), only under a multi-worker TF_CONFIG or
 # Slurm job: TensorFlow's collective ops must be configured before its first op, so that

@@ -111,7 +111,7 @@ class StepTimeMonitor(Callback):
 
     def _gather(self, rows: np.ndarray) -> np.ndarray:
         from keras_dist import _preemption
-        from keras_dist.strategy import resolve_strategy
+        from keras_dist.strategies import resolve_strategy
 
         strategy = resolve_strategy()
         if not _preemption.is_multi_worker(strategy):

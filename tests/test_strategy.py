@@ -249,3 +249,34 @@ def test_virtual_devices_validates_arguments():
         keras_dist.virtual_devices(0)
     with pytest.raises(ValueError, match="`device_type`"):
         keras_dist.virtual_devices(2, "TPU")
+
+
+def test_strategy_name_is_the_function_under_every_import_form():
+    # `keras_dist.strategy` is the factory; the old module path keeps working for the
+    # names it exported, whichever import a user writes first. Fresh interpreters: the
+    # import order is the thing under test.
+    import subprocess
+    import sys
+
+    checks = {
+        "import keras_dist.strategy": "keras_dist.strategy",
+        "import keras_dist; import keras_dist.strategy": "keras_dist.strategy",
+        "from keras_dist import strategy": "strategy",
+        "from keras_dist.strategy import strategy": "strategy",
+        "import keras_dist.strategies; import keras_dist": "keras_dist.strategy",
+    }
+    for statement, name in checks.items():
+        code = (
+            f"{statement}\n"
+            "import sys, types\n"
+            "from keras_dist.strategy import (communication_options, resolve_strategy,\n"
+            "                                 _info_lines)\n"
+            "from keras_dist import strategies\n"
+            f"assert {name} is strategies.strategy, {name}\n"
+            "assert resolve_strategy is strategies.resolve_strategy\n"
+            "assert isinstance(sys.modules['keras_dist.strategy'], types.ModuleType)\n"
+            "assert 'tensorflow' not in sys.modules\n"
+        )
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, (statement, result.stderr[-2000:])

@@ -14,7 +14,7 @@ import math
 import numbers
 
 from keras_dist import _validation
-from keras_dist.strategy import resolve_strategy
+from keras_dist.strategies import resolve_strategy
 
 __all__ = ["global_batch_size", "per_replica_batch_size", "scale_learning_rate"]
 

@@ -41,7 +41,7 @@ import dataclasses
 
 from keras_dist import _runtime, _validation
 from keras_dist.data import sources as _data_sources
-from keras_dist.strategy import resolve_strategy
+from keras_dist.strategies import resolve_strategy
 
 __all__ = ["distribute_dataset", "steps_per_epoch"]
 
