@@ -28,7 +28,7 @@ import math
 import time
 from typing import Sequence
 
-__all__ = ["DEFAULT_SIZES", "PATHS", "allreduce_main", "bus_factor", "sweep"]
+__all__ = ["DEFAULT_SIZES", "PATHS", "allreduce_main", "bus_factor", "linked_sweep", "sweep"]
 
 DEFAULT_SIZES = tuple(1 << shift for shift in range(10, 27, 2))  # 1 KB .. 64 MB, x4
 PATHS = ("plain_fp32", "keras_dist_fp32", "keras_dist_bf16")
@@ -164,6 +164,78 @@ def summarize(worker_results: Sequence[dict]) -> dict:
     return {"replicas": replicas, "bus_factor": bus_factor(replicas), "rows": rows}
 
 
+def _sweep_on_workers(workers: int, sizes: Sequence[int], paths: Sequence[str],
+                      budget_bytes: int, measure_raw_link: bool) -> dict:
+    from keras_dist.testing import run_on_workers
+
+    link = None
+    if measure_raw_link:
+        from keras_dist.planning import measure_link
+
+        link = measure_link(workers, 32 << 20, repeats=2)
+    results = run_on_workers(allreduce_worker, workers,
+                             kwargs={"sizes": list(sizes), "paths": list(paths),
+                                     "budget_bytes": budget_bytes}, timeout=1800)
+    return {"results": results, "raw_link": link}
+
+
+def linked_sweep(workers: int, sizes: Sequence[int], link=None,
+                 paths: Sequence[str] = PATHS, budget_bytes: int = _BUDGET_BYTES) -> dict:
+    """The sweep on `workers` local workers, behind `link` (a `planning.Link`) if given.
+
+    Behind a link, the raw TCP rate of the link (`planning.measure_link`) is measured
+    first, and the summary gains `link` (set and achieved rates, per worker).
+    """
+    kwargs = {"workers": workers, "sizes": list(sizes), "paths": list(paths),
+              "budget_bytes": budget_bytes, "measure_raw_link": link is not None}
+    if link is None:
+        outcome = _sweep_on_workers(**kwargs)
+    else:
+        from keras_dist.planning import run_in_link
+
+        outcome = run_in_link(_sweep_on_workers, link, kwargs=kwargs, timeout=3600)
+    summary = summarize(outcome["results"])
+    summary["workers"] = workers
+    if link is not None:
+        fp32 = [row for row in summary["rows"] if row["path"] == "plain_fp32"] or \
+            summary["rows"]
+        largest = max(fp32, key=lambda row: row["size_bytes"])
+        summary["link"] = {
+            "set_per_worker_bps": link.rate_bps,
+            "set_qdisc_bps": link.qdisc_rate_bps,
+            "latency_s": link.latency_s,
+            "raw_tcp_per_worker_bps": outcome["raw_link"]["per_worker_bps"],
+            "allreduce_busbw_largest_bps": 8e9 * largest["busbw_GBps"],
+            "largest_size_bytes": largest["size_bytes"],
+        }
+    return summary
+
+
+def link_lines(summary: dict) -> list[str]:
+    """'Achieved vs set' for a sweep behind a simulated link (empty without one)."""
+    link = summary.get("link")
+    if not link:
+        return []
+    from keras_dist.planning import format_rate
+
+    set_rate = link["set_per_worker_bps"]
+
+    def share(rate):
+        return f" ({rate / set_rate:.0%} of set)" if set_rate else ""
+
+    return [
+        f"\nsimulated link: set {format_rate(set_rate)} per worker"
+        + (f" (loopback tbf {format_rate(link['set_qdisc_bps'])}: one qdisc carries all "
+           f"{summary['workers']} workers' traffic)" if set_rate else "")
+        + (f", +{link['latency_s'] * 1e6:g} us" if link["latency_s"] else ""),
+        f"  achieved, raw TCP ring per worker: "
+        f"{format_rate(link['raw_tcp_per_worker_bps'])}{share(link['raw_tcp_per_worker_bps'])}",
+        f"  achieved, all-reduce busbw at {format_size(link['largest_size_bytes'])}: "
+        f"{format_rate(link['allreduce_busbw_largest_bps'])}"
+        f"{share(link['allreduce_busbw_largest_bps'])}",
+    ]
+
+
 def format_size(size: int) -> str:
     for unit, scale in (("MB", 1 << 20), ("KB", 1 << 10)):
         if size >= scale and size % scale == 0:
@@ -199,25 +271,31 @@ def allreduce_main(args) -> int:
 
     Args:
         args: An argparse namespace with `workers` (int), `sizes` (list of byte counts,
-            or None for 1 KB..64 MB) and `output` (JSON path or None).
+            or None for 1 KB..64 MB), `output` (JSON path or None) and optionally
+            `link_rate` / `link_latency` ("10gbit" / "50us": run behind the link
+            simulator, `keras_dist.planning.Link`).
 
     Returns:
         The exit code (0).
     """
-    from keras_dist.testing import run_on_workers
-
     sizes = list(args.sizes or DEFAULT_SIZES)
     workers = int(args.workers)
+    link = None
+    if getattr(args, "link_rate", None) or getattr(args, "link_latency", None):
+        from keras_dist.planning import Link, check_support
+
+        link = Link.parse(args.link_rate, args.link_latency, workers)
+        check_support(link)  # a clear error before anything starts
     print(f"keras-dist bench allreduce: {workers} local worker(s), "
-          f"{len(sizes)} size(s), paths {', '.join(PATHS)}", flush=True)
-    results = run_on_workers(allreduce_worker, workers, kwargs={"sizes": sizes},
-                             timeout=1800)
-    summary = summarize(results)
-    summary["workers"] = workers
+          f"{len(sizes)} size(s), paths {', '.join(PATHS)}"
+          + (f", behind a simulated link of {link.describe()}" if link else ""), flush=True)
+    summary = linked_sweep(workers, sizes, link)
     print(f"\nall-reduce on {workers} worker(s) x {summary['replicas'] // workers} replica(s);"
           f" busbw = algbw x {summary['bus_factor']:.2f}; 'vs plain' = plain fp32 time / "
           "this path's time")
     for line in table_lines(summary):
+        print(line)
+    for line in link_lines(summary):
         print(line)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as file:

@@ -6,7 +6,8 @@
     keras-dist info
     keras-dist doctor [--no-self-test]
     keras-dist demo [--workers N] [--epochs E]
-    keras-dist bench allreduce [--workers N] [--sizes 4K 1M ...]
+    keras-dist bench allreduce [--workers N] [--sizes 4K 1M ...] [--link-rate 10gbit]
+    keras-dist plan --params P --step-ms T [--link-rate R ...] [--workers N ...]
 
 Each subcommand parses its arguments and calls the library function that does the work
 (`keras_dist.launching.local.launch`, ...), importing it only when needed so `--help` is instant.
@@ -99,7 +100,21 @@ def _build_parser() -> argparse.ArgumentParser:
                            help="tensor sizes in bytes; suffixes K, M, G allowed")
     allreduce.add_argument("--output", default=None, metavar="PATH",
                            help="write the results as JSON to PATH")
+    from keras_dist.planning import _cli as plan_cli
+
+    allreduce.add_argument("--link-rate", type=plan_cli._rate, default=None, metavar="RATE",
+                           help="simulate each worker's link (10gbit, 1gbit, ...): the "
+                           "workers run in a private network namespace whose loopback is "
+                           "rate-limited with tc (needs root or CAP_NET_ADMIN)")
+    allreduce.add_argument("--link-latency", type=plan_cli._duration, default=None,
+                           metavar="TIME",
+                           help="with the simulator, add this one-way latency (50us; netem)")
     allreduce.set_defaults(handler=_bench_allreduce_command, parser=allreduce)
+
+    plan = commands.add_parser(
+        "plan", help="predict step time and scaling efficiency on N workers at a link rate")
+    plan_cli.add_arguments(plan)
+    plan.set_defaults(handler=lambda args, argv: plan_cli.plan_main(args), parser=plan)
     return parser
 
 
@@ -229,7 +244,13 @@ def _bench_allreduce_command(args: argparse.Namespace, argv: list[str]) -> int:
               f"this installation ({error}). Run benchmarks/ from a source checkout.",
               file=sys.stderr)
         return 1
-    return _exit_code(allreduce_main(args))
+    from keras_dist.planning import LinkSimulatorError
+
+    try:
+        return _exit_code(allreduce_main(args))
+    except LinkSimulatorError as error:
+        print(f"keras-dist bench allreduce: {error}", file=sys.stderr)
+        return 1
 
 
 # -- helpers -----------------------------------------------------------------------------
