@@ -4,6 +4,7 @@
     python benchmarks/run.py --quick            # everything in < 5 minutes on 2 cores
     python benchmarks/run.py --only overhead,memory --output /tmp/r.json
     python benchmarks/run.py --markdown benchmarks/results/results.json   # README table
+    python benchmarks/run.py --link-rate 1gbit,10gbit --quick   # link simulator + model
 
 Every figure is a ratio against plain tf.distribute (the seed's way) measured in the
 same run. Benchmarks: overhead, scaling, input_sharding, communication, memory,
@@ -34,6 +35,9 @@ if _ROOT not in sys.path:
 BENCHMARKS = ("overhead", "scaling", "input_sharding", "communication", "memory",
               "sparse_accumulation")
 _DEVICE_AWARE = ("overhead", "communication")  # take --device/--replicas/... options
+# Only on request (`--link-rate` or `--only linksim`): it needs root or CAP_NET_ADMIN.
+OPTIONAL = ("linksim",)
+LINKSIM_OUTPUT = os.path.join(_ROOT, "benchmarks", "results", "linksim.json")
 DEFAULT_OUTPUT = os.path.join(_ROOT, "benchmarks", "results", "results.json")
 PLOT_NAME = "scaling_bandwidth.png"
 
@@ -67,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
                         default="auto", help="all-reduce implementation for keras_dist")
     device.add_argument("--mixed-precision", action="store_true",
                         help="train with keras mixed_float16")
+    link = parser.add_argument_group("link simulator (linksim; needs root or CAP_NET_ADMIN)")
+    link.add_argument("--link-rate", default=None, metavar="RATE,...",
+                      help="run linksim behind these per-worker link rates, e.g. "
+                      "1gbit,10gbit (alone unless --only names more; output "
+                      "benchmarks/results/linksim.json unless --output)")
+    link.add_argument("--link-workers", default="2", metavar="N,...",
+                      help="worker counts for linksim (default 2; 2,4 on a bigger machine)")
     return parser
 
 
@@ -74,10 +85,10 @@ def _selected(only: str | None, parser: argparse.ArgumentParser) -> list[str]:
     if not only:
         return list(BENCHMARKS)
     names = [name.strip() for name in only.split(",") if name.strip()]
-    unknown = [name for name in names if name not in BENCHMARKS]
+    unknown = [name for name in names if name not in BENCHMARKS + OPTIONAL]
     if unknown or not names:
         parser.error(f"--only: unknown benchmark(s) {unknown or only!r}; "
-                     f"choose from {', '.join(BENCHMARKS)}")
+                     f"choose from {', '.join(BENCHMARKS + OPTIONAL)}")
     return names
 
 
@@ -113,7 +124,10 @@ def run(names: Sequence[str], mode: str, output: str, *, device_options: dict | 
     for name in names:
         module = importlib.import_module(f"benchmarks.{name}")
         options = dict(device_options or {})
-        if name not in _DEVICE_AWARE:
+        link_options = options.pop("link", None) or {}
+        if name == "linksim":
+            options = link_options
+        elif name not in _DEVICE_AWARE:
             options = {}
         elif name == "communication" and options.get("device_type") == "GPU":
             options["local"] = True  # NCCL cannot span processes sharing one GPU
@@ -123,6 +137,10 @@ def run(names: Sequence[str], mode: str, output: str, *, device_options: dict | 
             results[name] = module.run(mode, **options)
             results[name]["elapsed_s"] = time.perf_counter() - began
             module.report(results[name])
+            if hasattr(module, "plot") and plot:
+                figure = module.plot(results[name], os.path.join(
+                    os.path.dirname(os.path.abspath(output)), module.PLOT_NAME))
+                results[name]["plot"] = os.path.basename(figure) if figure else None
         except Exception:  # noqa: BLE001 - record it, run the rest, fail at the end
             text = traceback.format_exc()
             print(f"{name} failed:\n{text}", file=sys.stderr, flush=True)
@@ -156,9 +174,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.replicas < 1:
         parser.error(f"--replicas must be >= 1, got {args.replicas}")
     names = _selected(args.only, parser)
+    device_options = _device_options(args)
+    if args.link_rate:
+        from keras_dist.planning import LinkSimulatorError, parse_rate
+
+        rates = [rate.strip() for rate in args.link_rate.split(",") if rate.strip()]
+        try:
+            [parse_rate(rate) for rate in rates]
+            counts = [int(n) for n in args.link_workers.split(",") if n.strip()]
+        except ValueError as error:
+            parser.error(f"--link-rate/--link-workers: {error}")
+        if not rates or not counts or min(counts) < 2:
+            parser.error("--link-rate needs >= 1 rate and --link-workers counts >= 2")
+        device_options["link"] = {"link_rates": rates, "link_workers": counts}
+        if not args.only:
+            names = ["linksim"]
+        if args.output == DEFAULT_OUTPUT:
+            args.output = LINKSIM_OUTPUT
+        try:
+            from keras_dist.planning import Link, check_support
+
+            check_support(Link.parse(rates[0], workers=min(counts)))
+        except LinkSimulatorError as error:
+            print(f"benchmarks/run.py --link-rate: {error}", file=sys.stderr)
+            return 2
     mode = "quick" if args.quick else "smoke" if args.smoke else "full"
     flags = " ".join(sys.argv[1:] if argv is None else argv)
-    results = run(names, mode, args.output, device_options=_device_options(args),
+    results = run(names, mode, args.output, device_options=device_options,
                   plot=not args.no_plot, flags=f" {flags}" if flags else "")
     failed = [name for name in names if "error" in results[name]]
     if failed:
