@@ -213,8 +213,29 @@ def _cases() -> list[Case]:
         _c("TensorBoard", "TensorBoard(log_dir='')", ValueError,
            "Argument `log_dir` must be a non-empty path"),
     ]
-    cases += _data_cases() + _callback_cases()
+    cases += _data_cases() + _callback_cases() + _planning_cases()
     return cases
+
+
+def _planning_cases() -> list[Case]:
+    return [
+        _c("planning.predict", "planning.predict(-5, 100.0)", ValueError,
+           "params must be a number > 0, received -5"),
+        _c("planning.predict", "planning.predict(25e6, 100.0, link_rate='10GB/s')", ValueError,
+           "Unknown link rate '10GB/s': expected a number with a unit of bit, kbit"),
+        _c("planning.predict", "planning.predict(25e6, 100.0, overlap=2)", ValueError,
+           "overlap must be a number in [0, 1], received 2"),
+        _c("planning.Link", "planning.Link.parse('1gbit', '50 parsecs')", ValueError,
+           "Unknown duration '50 parsecs'"),
+        _c("keras-dist plan", "keras_dist_cli('plan', '--params', '-3', '--step-ms', '10')",
+           CommandLineError, "argument --params: must be > 0 parameters, received '-3'"),
+        _c("keras-dist plan", "keras_dist_cli('plan', '--params', '1M', '--step-ms', '10', "
+           "'--link-rate', '10gb')", CommandLineError, "argument --link-rate: Unknown link "
+           "rate '10gb'"),
+        _c("keras-dist bench allreduce", "keras_dist_cli('bench', 'allreduce', "
+           "'--link-rate', 'fast')", CommandLineError, "argument --link-rate: Unknown link "
+           "rate 'fast'"),
+    ]
 
 
 def _data_cases() -> list[Case]:
@@ -274,7 +295,7 @@ def _namespace() -> dict:
     import numpy as np
 
     import keras_dist
-    from keras_dist import ClusterConfig, callbacks
+    from keras_dist import ClusterConfig, callbacks, planning
     from keras_dist.checkpointing import (BackupAndRestore, ModelCheckpoint, TensorBoard)
     from keras_dist.launch import launch, launch_script
 
@@ -283,7 +304,7 @@ def _namespace() -> dict:
         "BackupAndRestore": BackupAndRestore, "ModelCheckpoint": ModelCheckpoint,
         "TensorBoard": TensorBoard, "launch": launch, "launch_script": launch_script,
         "keras_dist_cli": keras_dist_cli, "sys": sys, "__file__": __file__,
-        "X": np.zeros((16, 4), dtype="float32"),
+        "X": np.zeros((16, 4), dtype="float32"), "planning": planning,
     }
 
 
