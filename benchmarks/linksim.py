@@ -279,7 +279,7 @@ def plot(result: dict, path: str) -> str | None:
 
 
 def report(result: dict) -> None:
-    from keras_dist.planning import format_rate
+    from keras_dist.planning import format_rate, parse_rate
 
     engine = result["engine"]
     print(f"\nlinksim: engine fitted on unlimited loopback: alpha "
@@ -306,12 +306,14 @@ def report(result: dict) -> None:
           f"{v['allreduce_largest_rel_error']:+.0%}",
           f"{v['allreduce_max_abs_rel_error']:.0%}") for v in result["validation"]],
     )
+    columns = [format_rate(parse_rate(rate)) for rate in PREDICT_RATES]
+    table = []
+    for key, rows in result["predictions"].items():
+        for workers in (2, 64, 256):
+            by_rate = {r["link_rate_bps"]: r["efficiency"] for r in rows
+                       if r["workers"] == workers}
+            table.append([key, workers] + [by_rate[parse_rate(rate)] for rate in PREDICT_RATES])
     common.print_table(
-        f"predicted ({result['model_params']:,} params, {result['model_compute_ms']:.0f} ms "
-        "compute): efficiency",
-        ["engine/variant", "link", "workers", "all-reduce ms", "step ms", "efficiency"],
-        [(key, format_rate(r["link_rate_bps"]), r["workers"], r["allreduce_ms"], r["step_ms"],
-          r["efficiency"])
-         for key in ("measured/fp32", "ideal/fp32", "ideal/bf16", "ideal/accumulation_4")
-         for r in result["predictions"][key] if r["workers"] in (2, 64, 256)],
-    )
+        f"predicted scaling efficiency ({result['model_params']:,}-param MLP, "
+        f"{result['model_compute_ms']:.0f} ms compute per worker step, nothing overlapped)",
+        ["engine/variant", "workers"] + columns, table)

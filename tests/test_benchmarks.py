@@ -4,6 +4,7 @@ They check that every benchmark runs end to end and writes its JSON keys with fi
 positive values; they assert nothing about speed (timings on CI machines mean nothing).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -141,3 +142,44 @@ def test_markdown_and_plot_from_results(tmp_path):
     assert "| overhead |" in table and "| memory | failed |" in table
     path = report.plot(results, str(tmp_path / "plot.png"))
     assert os.path.getsize(path) > 0
+
+
+def test_linksim_fit_validation_and_plot_from_groups(tmp_path, capsys):
+    # linksim's analysis on groups made from a known engine (no processes): the fit
+    # recovers the engine, the model then predicts the linked groups exactly, and the
+    # report and plot run. The measuring part runs under `--link-rate` (and its
+    # run_in_link/measure_link machinery in tests/test_planning.py).
+    from benchmarks import linksim
+    from keras_dist import planning
+
+    alpha, beta, params, compute_ms = 400e-6, 3e-9, 1_000_000, 50.0
+    sizes = [1 << s for s in range(16, 25, 2)]
+    groups = []
+    for rate in (None, 1e9, 10e9):
+        link_beta = beta + (8 / rate if rate else 0)
+        times = [planning.allreduce_time(size, 2, alpha, link_beta) for size in sizes]
+        groups.append({
+            "workers": 2, "rate_bps": rate, "qdisc_rate_bps": rate and 2 * rate,
+            "raw_tcp_per_worker_bps": rate or 5e9, "params": params,
+            "allreduce": [{"size_bytes": s, "time_us": 1e6 * t, "busbw_bps": 8 * s / t}
+                          for s, t in zip(sizes, times)],
+            "compute_ms": compute_ms,
+            "step_ms": compute_ms + 1000 * planning.allreduce_time(4 * params, 2, alpha,
+                                                                    link_beta),
+        })
+    fit = linksim._fit(groups)
+    assert fit["engine"].alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert fit["engine"].beta_s_per_byte == pytest.approx(beta, rel=1e-6)
+    assert [f["effective_rate_bps"] for f in fit["per_rate"]] == [pytest.approx(1e9),
+                                                                  pytest.approx(10e9)]
+    checks = linksim._validate(groups, fit["engine"])
+    assert all(abs(check["step_rel_error"]) < 1e-6 for check in checks)
+    engine = fit["engine"]
+    result = {"groups": groups, "engine": dataclasses.asdict(engine),
+              "engine_busbw_GBps": 1 / beta / 1e9, "fit_max_rel_error": 0.0,
+              "per_rate_fits": fit["per_rate"], "validation": checks,
+              "model_params": params, "model_compute_ms": compute_ms,
+              "predictions": linksim._predictions(params, compute_ms, engine)}
+    linksim.report(result)
+    assert "validation" in capsys.readouterr().out
+    assert os.path.getsize(linksim.plot(result, str(tmp_path / linksim.PLOT_NAME))) > 0
