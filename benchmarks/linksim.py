@@ -151,30 +151,61 @@ def _fit(groups: list) -> dict:
     return {"engine": engine, "fit_max_rel_error": error, "per_rate": per_rate}
 
 
-def _validate(groups: list, engine) -> list:
+def _calibrate(groups: list, engine) -> dict:
+    """Per worker count, from the unlimited loopback: the step beyond compute + all-reduce.
+
+    residual = step - compute - t(gradient): > 0 is a fixed overhead per distributed step
+    (`overhead_ms`), < 0 means part of the all-reduce was hidden (`overlap`, a fraction of
+    the compute). The links then change only t; that is what the validation tests.
+    """
+    calibration = {}
+    for group in groups:
+        if group["rate_bps"] is not None:
+            continue
+        comm_ms = 1000 * engine.time(4 * group["params"], group["workers"], None)
+        residual = group["step_ms"] - group["compute_ms"] - comm_ms
+        calibration[group["workers"]] = {
+            "residual_ms": residual,
+            "overhead_ms": max(0.0, residual),
+            "overlap": min(1.0, max(0.0, -residual) / group["compute_ms"]),
+        }
+    return calibration
+
+
+def _validate(groups: list, engine, calibration: dict) -> list:
     rows = []
     for group in groups:
         n, rate = group["workers"], group["rate_bps"]
         grad_bytes = 4 * group["params"]
         errors = [engine.time(r["size_bytes"], n, rate) / (r["time_us"] / 1e6) - 1
                   for r in group["allreduce"]]
-        predicted_step = group["compute_ms"] + 1000 * engine.time(grad_bytes, n, rate)
+        comm_ms = 1000 * engine.time(grad_bytes, n, rate)
+        cal = calibration.get(n, {"overhead_ms": 0.0, "overlap": 0.0})
+        compute = group["compute_ms"]
+        predicted_step = compute + cal["overhead_ms"] + comm_ms - min(comm_ms,
+                                                                      cal["overlap"] * compute)
+        plain_step = compute + comm_ms
         rows.append({
             "workers": n, "rate_bps": rate,
             "allreduce_rel_errors": errors,
             "allreduce_max_abs_rel_error": max(abs(e) for e in errors),
             "allreduce_largest_rel_error": errors[-1],
             "gradient_bytes": grad_bytes,
-            "compute_ms": group["compute_ms"],
-            "allreduce_pred_ms": 1000 * engine.time(grad_bytes, n, rate),
+            "compute_ms": compute,
+            "allreduce_pred_ms": comm_ms,
+            "overhead_ms": cal["overhead_ms"],
+            "overlap": cal["overlap"],
             "step_measured_ms": group["step_ms"],
             "step_predicted_ms": predicted_step,
             "step_rel_error": predicted_step / group["step_ms"] - 1,
+            # The bare model (compute + all-reduce, nothing calibrated), for comparison.
+            "step_uncalibrated_rel_error": plain_step / group["step_ms"] - 1,
         })
     return rows
 
 
-def _predictions(params: int, compute_ms: float, engine) -> dict:
+def _predictions(params: int, compute_ms: float, engine, overhead_ms: float = 0.0,
+                 overlap: float = 0.0) -> dict:
     from keras_dist.planning import load_engine, predict
 
     table = {}
@@ -182,7 +213,8 @@ def _predictions(params: int, compute_ms: float, engine) -> dict:
         for variant, compression, accumulation in VARIANTS:
             rows = predict(params, compute_ms, link_rate=list(PREDICT_RATES),
                            workers=PREDICT_WORKERS, compression=compression,
-                           accumulation=accumulation, engine=model)
+                           accumulation=accumulation, engine=model,
+                           overhead_ms=overhead_ms, overlap=overlap)
             table[f"{engine_name}/{variant}"] = [row.as_dict() for row in rows]
     return table
 
@@ -201,10 +233,37 @@ def run(mode: str, **options) -> dict:
         outcome = run_in_link(_group, link, kwargs={"config": config, "workers": link.workers},
                               timeout=2 * common.WORKER_TIMEOUT)
         groups.append(_summarize_group(outcome, link))
+    result = analyze(groups, config)
+    if config["write_engine"]:
+        write_engine(result)
+    return result
+
+
+def write_engine(result: dict) -> str:
+    """Saves the fitted engine for `keras-dist plan --engine measured`; returns the path."""
+    from keras_dist.planning.model import MEASURED_ENGINE_FILE
+
+    with open(MEASURED_ENGINE_FILE, "w", encoding="utf-8") as file:
+        json.dump({"engine": result["engine"], "date": common.machine_info()["date"],
+                   "fit_max_rel_error": result["fit_max_rel_error"],
+                   "overhead_ms_2_workers": result["model_overhead_ms"],
+                   "written_by": "python benchmarks/run.py --link-rate ..."}, file, indent=2)
+        file.write("\n")
+    return MEASURED_ENGINE_FILE
+
+
+def analyze(groups: list, config: dict) -> dict:
+    """The fit, calibration, validation and predictions from measured `groups`.
+
+    `python -c "from benchmarks import linksim; ..."` can redo it from a saved
+    linksim.json: `linksim.analyze(saved["groups"], saved["config"])`.
+    """
     fit = _fit(groups)
     engine = fit["engine"]
     base = next(g for g in groups if g["rate_bps"] is None and g["workers"] == 2) \
         if any(g["workers"] == 2 for g in groups) else groups[0]
+    calibration = _calibrate(groups, engine)
+    cal = calibration.get(base["workers"], {"overhead_ms": 0.0, "overlap": 0.0})
     result = {
         "groups": groups,
         "engine": {"alpha_s": engine.alpha_s, "beta_s_per_byte": engine.beta_s_per_byte,
@@ -213,24 +272,22 @@ def run(mode: str, **options) -> dict:
         else None,
         "fit_max_rel_error": fit["fit_max_rel_error"],
         "per_rate_fits": fit["per_rate"],
-        "validation": _validate(groups, engine),
+        "calibration": {str(n): c for n, c in calibration.items()},
+        "validation": _validate(groups, engine, calibration),
         "model_params": base["params"],
         "model_compute_ms": base["compute_ms"],
-        "predictions": _predictions(base["params"], base["compute_ms"], engine),
+        "model_overhead_ms": cal["overhead_ms"],
+        "model_overlap": cal["overlap"],
+        "predictions": _predictions(base["params"], base["compute_ms"], engine,
+                                    cal["overhead_ms"], cal["overlap"]),
         "config": config,
     }
     linked = [v for v in result["validation"] if v["rate_bps"] is not None]
     result["max_abs_step_rel_error"] = max(abs(v["step_rel_error"]) for v in linked)
+    result["max_abs_step_uncalibrated_rel_error"] = max(
+        abs(v["step_uncalibrated_rel_error"]) for v in linked)
     result["max_abs_allreduce_largest_rel_error"] = max(
         abs(v["allreduce_largest_rel_error"]) for v in linked)
-    if config["write_engine"]:
-        from keras_dist.planning.model import MEASURED_ENGINE_FILE
-
-        with open(MEASURED_ENGINE_FILE, "w", encoding="utf-8") as file:
-            json.dump({"engine": result["engine"], "date": common.machine_info()["date"],
-                       "fit_max_rel_error": result["fit_max_rel_error"],
-                       "written_by": "python benchmarks/run.py --link-rate ..."}, file,
-                      indent=2)
     return result
 
 
@@ -298,11 +355,15 @@ def report(result: dict) -> None:
          for g in result["groups"]],
     )
     common.print_table(
-        "validation: model (engine fitted on loopback + 8/rate) vs measured behind the link",
-        ["workers", "link", "compute ms", "step measured", "step predicted", "step error",
-         "all-reduce error (largest)", "max all-reduce error"],
-        [(v["workers"], format_rate(v["rate_bps"]), v["compute_ms"], v["step_measured_ms"],
+        "validation: model (engine fitted on loopback + 8/rate; overhead/overlap calibrated "
+        "on loopback) vs measured behind the link",
+        ["workers", "link", "compute ms", "overhead ms", "overlap", "step measured",
+         "step predicted", "step error", "bare model error", "all-reduce error (largest)",
+         "max all-reduce error"],
+        [(v["workers"], format_rate(v["rate_bps"]), v["compute_ms"], v["overhead_ms"],
+          v["overlap"], v["step_measured_ms"],
           v["step_predicted_ms"], f"{v['step_rel_error']:+.0%}",
+          f"{v['step_uncalibrated_rel_error']:+.0%}",
           f"{v['allreduce_largest_rel_error']:+.0%}",
           f"{v['allreduce_max_abs_rel_error']:.0%}") for v in result["validation"]],
     )
@@ -315,5 +376,6 @@ def report(result: dict) -> None:
             table.append([key, workers] + [by_rate[parse_rate(rate)] for rate in PREDICT_RATES])
     common.print_table(
         f"predicted scaling efficiency ({result['model_params']:,}-param MLP, "
-        f"{result['model_compute_ms']:.0f} ms compute per worker step, nothing overlapped)",
+        f"{result['model_compute_ms']:.0f} ms compute per worker step, overhead "
+        f"{result.get('model_overhead_ms', 0):.1f} ms, overlap {result.get('model_overlap', 0):.2f})",
         ["engine/variant", "workers"] + columns, table)

@@ -172,7 +172,9 @@ def test_linksim_fit_validation_and_plot_from_groups(tmp_path, capsys):
     assert fit["engine"].beta_s_per_byte == pytest.approx(beta, rel=1e-6)
     assert [f["effective_rate_bps"] for f in fit["per_rate"]] == [pytest.approx(1e9),
                                                                   pytest.approx(10e9)]
-    checks = linksim._validate(groups, fit["engine"])
+    calibration = linksim._calibrate(groups, fit["engine"])
+    assert calibration[2]["overhead_ms"] == pytest.approx(0, abs=1e-6)
+    checks = linksim._validate(groups, fit["engine"], calibration)
     assert all(abs(check["step_rel_error"]) < 1e-6 for check in checks)
     engine = fit["engine"]
     result = {"groups": groups, "engine": dataclasses.asdict(engine),

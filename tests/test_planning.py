@@ -130,6 +130,9 @@ def test_prediction_numbers():
     # Overlap 0.5 hides up to 100 ms of the all-reduce.
     row = planning.predict(25e6, 200.0, link_rate="1gbit", workers=[2], overlap=0.5)[0]
     assert row.step_ms == pytest.approx(900.01)
+    # A fixed 10 ms per distributed step.
+    row = planning.predict(25e6, 200.0, link_rate="1gbit", workers=[2], overhead_ms=10)[0]
+    assert row.step_ms == pytest.approx(1010.01)
     # One worker never communicates.
     row = planning.predict(25e6, 200.0, workers=[1])[0]
     assert row.efficiency == 1.0 and row.allreduce_ms == 0.0
@@ -154,6 +157,7 @@ def test_custom_engine_and_link_latency():
     ({"accumulation": 0}, "accumulation must be an integer >= 1"),
     ({"overlap": 1.5}, r"overlap must be a number in \[0, 1\]"),
     ({"engine": "warp-drive"}, "Unknown engine"),
+    ({"overhead_ms": -1}, "overhead_ms must be a number >= 0"),
     ({"engine": {"alpha_s": 1}}, "needs numbers 'alpha_s' and 'beta_s_per_byte'"),
 ])
 def test_predict_refuses_bad_arguments(kwargs, fragment):

@@ -32,6 +32,16 @@ def _positive_ms(text: str) -> float:
     return value
 
 
+def _non_negative_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds such as 2.5, received {text!r}")
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 ms, received {text!r}")
+    return value
+
+
 def _rate(text: str) -> str:
     try:
         model.parse_rate(text)
@@ -91,6 +101,9 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
                       "benchmarks/run.py --link-rate), or a JSON file")
     plan.add_argument("--link-latency", type=_duration, default="0us", metavar="L",
                       help="one-way link latency per ring step (e.g. 20us; default 0)")
+    plan.add_argument("--overhead-ms", type=_non_negative_ms, default=0.0, metavar="H",
+                      help="fixed cost per distributed step beyond compute and the "
+                      "all-reduce, ms (default 0)")
     plan.add_argument("--json", action="store_true", help="print JSON rows instead")
 
 
@@ -105,7 +118,8 @@ def plan_main(args: argparse.Namespace) -> int:
                 rows += model.predict(args.params, args.step_ms, link_rate=rates,
                                       workers=workers, compression=compression,
                                       accumulation=accumulation, overlap=args.overlap,
-                                      engine=engine, link_latency=args.link_latency)
+                                      engine=engine, link_latency=args.link_latency,
+                                      overhead_ms=args.overhead_ms)
     except ValueError as error:
         print(f"keras-dist plan: {error}", file=sys.stderr)
         return 2
@@ -113,11 +127,12 @@ def plan_main(args: argparse.Namespace) -> int:
         print(json.dumps([row.as_dict() for row in rows], indent=2))
         return 0
     print(f"keras-dist plan: {args.params:,.0f} params, {args.step_ms:g} ms compute per "
-          f"step on one worker, overlap {args.overlap:g}; engine {engine.name} "
+          f"step on one worker, overlap {args.overlap:g}, overhead {args.overhead_ms:g} ms "
+          f"per step; engine {engine.name} "
           f"(alpha {engine.alpha_s * 1e6:.1f} us/step, "
           f"{engine.beta_s_per_byte * 1e9:.3f} ns/byte beyond the link; {engine.source})")
     print("ring all-reduce t = 2(N-1)(alpha+latency) + 2(N-1)/N * bytes * (beta + 8/rate); "
-          "step = k*T + t - min(t, overlap*T), per micro-batch; efficiency = T / step")
+          "step = k*(T+overhead) + t - min(t, overlap*T), per micro-batch; efficiency = T / step")
     for line in model.table_lines(rows):
         print(line)
     return 0

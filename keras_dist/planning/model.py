@@ -16,7 +16,10 @@ A training step of compute time `T` (one worker alone, per micro-batch) then tak
 optimizer step with `k` accumulated micro-batches and an overlap factor `o` (the fraction
 of the compute that can hide communication; 0 = nothing hidden, as measured today):
 
-    step_k = k*T + t - min(t, o*T)          efficiency = k*T / step_k
+    step_k = k*(T + h) + t - min(t, o*T)    efficiency = k*T / step_k
+
+with `h` a fixed cost per distributed step beyond compute and the all-reduce (0 unless
+measured: `benchmarks/linksim.py` calibrates `h` and `o` on the unlimited loopback).
 
 Everything here is plain Python (no TensorFlow): `keras-dist plan` is instant.
 """
@@ -237,7 +240,7 @@ class Prediction:
 def predict(params: float, step_ms: float, *, link_rate="10gbit",
             workers: Sequence[int] = DEFAULT_WORKERS, compression: str = "none",
             accumulation: int = 1, overlap: float = 0.0, engine="ideal",
-            link_latency="0us") -> list[Prediction]:
+            link_latency="0us", overhead_ms: float = 0.0) -> list[Prediction]:
     """Predicted step time and scaling efficiency of data-parallel training.
 
     Args:
@@ -255,6 +258,8 @@ def predict(params: float, step_ms: float, *, link_rate="10gbit",
         engine: "ideal", "measured", a JSON path, a dict or an `Engine` (see
             `load_engine`).
         link_latency: One-way latency added to each ring step ("50us").
+        overhead_ms: Fixed cost of each distributed step beyond compute and the
+            all-reduce (ms, >= 0), e.g. as `benchmarks/linksim.py` measures it.
 
     Returns:
         One `Prediction` per (link rate, worker count), in that order.
@@ -277,6 +282,9 @@ def predict(params: float, step_ms: float, *, link_rate="10gbit",
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or \
             not 0 <= overlap <= 1:
         raise ValueError(f"overlap must be a number in [0, 1], received {overlap!r}")
+    if isinstance(overhead_ms, bool) or not isinstance(overhead_ms, (int, float)) or \
+            not math.isfinite(overhead_ms) or overhead_ms < 0:
+        raise ValueError(f"overhead_ms must be a number >= 0, received {overhead_ms!r}")
     counts = [workers] if isinstance(workers, int) else list(workers)
     if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
                          for n in counts):
@@ -290,7 +298,8 @@ def predict(params: float, step_ms: float, *, link_rate="10gbit",
     for rate in rates:
         for n in counts:
             comm = model.time(nbytes, n, rate, latency)
-            step = accumulation * compute_s + comm - min(comm, overlap * compute_s)
+            overhead = overhead_ms / 1000 if n > 1 else 0.0
+            step = accumulation * (compute_s + overhead) + comm - min(comm, overlap * compute_s)
             efficiency = accumulation * compute_s / step
             rows.append(Prediction(n, rate, compression, accumulation, float(overlap),
                                    1000 * compute_s, 1000 * comm, 1000 * step / accumulation,
