@@ -138,9 +138,13 @@ def run(names: Sequence[str], mode: str, output: str, *, device_options: dict | 
             results[name]["elapsed_s"] = time.perf_counter() - began
             module.report(results[name])
             if hasattr(module, "plot") and plot:
-                figure = module.plot(results[name], os.path.join(
-                    os.path.dirname(os.path.abspath(output)), module.PLOT_NAME))
-                results[name]["plot"] = os.path.basename(figure) if figure else None
+                try:  # a failed plot must not lose the measurements
+                    figure = module.plot(results[name], os.path.join(
+                        os.path.dirname(os.path.abspath(output)), module.PLOT_NAME))
+                    results[name]["plot"] = os.path.basename(figure) if figure else None
+                except Exception:  # noqa: BLE001
+                    results[name]["plot_error"] = traceback.format_exc()
+                    print(results[name]["plot_error"], file=sys.stderr, flush=True)
         except Exception:  # noqa: BLE001 - record it, run the rest, fail at the end
             text = traceback.format_exc()
             print(f"{name} failed:\n{text}", file=sys.stderr, flush=True)
