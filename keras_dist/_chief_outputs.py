@@ -18,6 +18,7 @@ import tempfile
 
 import keras
 
+from keras_dist._callback_base import Callback
 from keras_dist.cluster import is_chief, worker_index
 
 _VERBOSE_VALUES = ("auto", 0, 1, 2)
@@ -84,7 +85,7 @@ def verbose(chief: str | int = "auto") -> str | int:
     return chief if is_chief() else 0
 
 
-class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class ModelCheckpoint(keras.callbacks.ModelCheckpoint, Callback):
     """`keras.callbacks.ModelCheckpoint` that keeps files on the chief only.
 
     Takes exactly Keras' arguments. Every worker saves (so collectives inside the save
@@ -123,7 +124,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             self._private_dir = None
 
 
-class TensorBoard(keras.callbacks.TensorBoard):
+class TensorBoard(keras.callbacks.TensorBoard, Callback):
     """`keras.callbacks.TensorBoard` that writes event files on the chief only.
 
     Takes exactly Keras' arguments. The other workers write to a private temporary

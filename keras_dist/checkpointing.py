@@ -22,10 +22,10 @@ import shutil
 import sys
 import tempfile
 
-import keras
 import numpy as np
 
 from keras_dist import _backup_files, _preemption
+from keras_dist._callback_base import Callback
 from keras_dist._backup_files import BackupError
 from keras_dist._chief_outputs import ModelCheckpoint, TensorBoard, chief_path, verbose
 from keras_dist._preemption import PREEMPTION_EXIT_CODE
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 
-class BackupAndRestore(keras.callbacks.Callback):
+class BackupAndRestore(Callback):
     """Backs up the training state and resumes from it when training starts again.
 
     Use it in any run that may be interrupted. At the end of every epoch (or every

@@ -50,9 +50,18 @@ def test_public_surface():
         "LearningRateWarmup", "ModelCheckpoint", "Profiler", "ReplicaDivergenceError",
         "ReplicaSyncCheck", "StepTimeMonitor", "TensorBoard", "Throughput",
     ]
-    for name in kd_callbacks.__all__:
-        if name not in ("ReplicaDivergenceError", "BackupError"):
-            assert issubclass(getattr(kd_callbacks, name), keras.callbacks.Callback)
+    from keras_dist._callback_base import Callback
+
+    classes = [getattr(kd_callbacks, name) for name in kd_callbacks.__all__
+               if name not in ("ReplicaDivergenceError", "BackupError")]
+    for cls in classes:
+        # One base for all, so tf_keras' CallbackList can ask each about its batch hooks.
+        assert issubclass(cls, Callback), cls
+        assert issubclass(cls, keras.callbacks.Callback), cls
+    # One module per callback (the chief-only writers share one in keras_dist.checkpointing).
+    own_modules = [cls.__module__ for cls in classes
+                   if cls.__name__ not in ("ModelCheckpoint", "TensorBoard")]
+    assert len(set(own_modules)) == len(own_modules), own_modules
 
 
 @pytest.mark.parametrize("make, message", [
@@ -142,7 +151,9 @@ def test_throughput_logs_examples_per_second(capsys, monkeypatch):
     assert "scaling_efficiency" not in history
     assert capsys.readouterr().out.count("Throughput: epoch") == 2
     # Only the chief prints.
-    monkeypatch.setattr(kd_callbacks, "is_chief", lambda: False)
+    from keras_dist.callbacks import throughput as throughput_module
+
+    monkeypatch.setattr(throughput_module, "is_chief", lambda: False)
     history = model.fit(_dataset(), verbose=0, shuffle=False, callbacks=[
         kd_callbacks.Throughput(verbose=1, single_replica_examples_per_second=1.0)]).history
     assert history["scaling_efficiency"] == pytest.approx(history["examples_per_second"])
