@@ -320,9 +320,25 @@ INTERNALS: tuple[Internal, ...] = (
         _code_mentions(_base_optimizer, "build", r"self\._accumulated_gradients =")),
     Internal(
         "keras.Trainer._loss_tracker",
-        "Throughput reads the running loss without a collective.",
-        ("callbacks",), "`compile()` still creates it",
+        "Throughput reads the running loss without a collective; PipelineModel reports "
+        "the whole batch's loss in it (compat.pipeline_internals).",
+        ("callbacks", "parallel"), "`compile()` still creates it",
         _code_mentions(_base_trainer, "compile", r"self\._loss_tracker =")),
+    Internal(
+        "keras.Trainer._compute_loss",
+        "PipelineModel computes Keras' own loss of the whole batch from the micro-batches' "
+        "predictions (compat.pipeline_internals), as Keras' `train_step` does.",
+        ("parallel",), "the TF trainer's `train_step` still calls it",
+        _code_mentions(_TRAINER, "train_step", r"self\._compute_loss\(")),
+    Internal(
+        "keras.Optimizer.add_variable_from_reference",
+        "Replaced on a PipelineModel's optimizer instance by the pipeline_slot_placement "
+        "fix (probe: does a slot land on its variable's device?): creates each slot on "
+        "its stage's device; Keras' TF optimizer only colocates, which eager slot "
+        "creation ignores.",
+        ("parallel",), "`add_optimizer_variables` still creates slots through it",
+        _code_mentions(_base_optimizer, "add_optimizer_variables",
+                       r"self\.add_variable_from_reference\(")),
     Internal(
         "keras.Trainer._initial_epoch",
         "BackupAndRestore resumes `fit` at the restored epoch (Keras' own mechanism).",

@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _validation
+from keras_dist.compat import pipeline_internals, registry
 from keras_dist.parallel import placement
 
 
@@ -37,11 +38,18 @@ class PipelineModel(keras.Model):
 
     Use it when the model's parameters and optimizer slots do not fit one device. Stage s's
     variables (and its optimizer slots) live on `devices[s]`; a batch is cut into
-    `num_microbatches` micro-batches that flow through the stages, each stage's gradients
-    are summed over the micro-batches on its device, and the optimizer applies them once,
-    so training equals the unsplit model on the whole batch (for losses that average over
-    the batch, the Keras default). Built stages are re-created on their device from their
-    config and weights; the model they came from is left as it was.
+    `num_microbatches` micro-batches that flow through the stages; Keras' own loss is
+    computed once on the whole batch from the micro-batches' predictions (so every
+    reduction - "sum_over_batch_size", "sum", "mean_with_sample_weight", None -, sample
+    weights, masks and weight regularizers give what the unsplit model gives), each
+    micro-batch goes back from its share of the loss gradient, each stage's gradients are
+    summed over the micro-batches on its device, and the optimizer applies them once, so
+    training equals the unsplit model on the whole batch. Losses that stages add in
+    `call()` (activity regularizers, `add_loss`) are averaged over the micro-batches:
+    exact for Keras' L1/L2 activity regularizers (Keras divides them by the batch size)
+    and an `add_loss` of a batch mean, not for a loss that sums over the batch; with
+    `remat=True` such losses are refused. Built stages are re-created on their device
+    from their config and weights; the model they came from is left as it was.
 
     Args:
         stages: A list of `keras.Sequential` (e.g. from `split_sequential`).
@@ -58,7 +66,9 @@ class PipelineModel(keras.Model):
 
     Raises:
         ValueError: Devices count != stages, a device that does not exist, a stage whose
-            output does not fit the next stage's input, a bad `num_microbatches`.
+            output does not fit the next stage's input, a bad `num_microbatches`; in
+            `fit`, a batch size that is not a multiple of `num_microbatches`, or
+            `remat=True` with a stage that adds losses in `call()`.
 
     Example:
         >>> import keras, tensorflow as tf
@@ -98,6 +108,7 @@ class PipelineModel(keras.Model):
             self.built = True
 
     def compile(self, *args, **kwargs):
+        registry.check("parallel")
         super().compile(*args, **kwargs)
         _place_slots(self.optimizer, self.stages, self.devices)
 
@@ -139,30 +150,54 @@ class PipelineModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_batch(x)
         count = self.num_microbatches
-        xs, ys, weights = (_split(part, count) for part in (x, y, sample_weight))
         stage_variables = [stage.trainable_variables for stage in self.stages]
-        sums, losses, predictions = [None] * len(self.stages), [], []
-        for index in range(count):
+        flat_variables = [v for vs in stage_variables for v in vs]
+        # Forward: one tape per micro-batch (GPipe: no data dependence between them).
+        tapes, predictions, call_losses = [], [], []
+        for part in _split(x, count):
             with tf.GradientTape() as tape:
-                prediction = self._forward(xs[index], training=True, remat=self.remat)
-                loss = self._compute_loss(x=xs[index], y=ys[index], y_pred=prediction,
-                                          sample_weight=weights[index], training=True)
-                scaled = self.optimizer.scale_loss(loss / count)
-            grads = tape.gradient(scaled, stage_variables)
+                predictions.append(self._forward(part, training=True, remat=self.remat))
+                call_losses.append(_call_losses(self))
+            tapes.append(tape)
+        if self.remat and any(call_losses):
+            raise ValueError(_REMAT_CALL_LOSSES)
+        y_pred = tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0),
+                                       *predictions)
+        # Keras' own loss of the whole batch (its reduction, sample weights, masks and
+        # weight regularizers), so every reduction is exact, not only the mean.
+        with tf.GradientTape() as loss_tape:
+            loss_tape.watch(tf.nest.flatten(y_pred))
+            for losses in call_losses:
+                loss_tape.watch(losses)
+            loss = pipeline_internals.compute_loss(self, x, y, y_pred, sample_weight)
+            loss = loss + _call_loss_correction(call_losses)
+            scaled = self.optimizer.scale_loss(loss)
+        grad_pred, grad_calls, grad_vars = loss_tape.gradient(
+            scaled, (tf.nest.flatten(y_pred), call_losses, flat_variables))
+        # Backward: each micro-batch from its share of d(loss)/d(y_pred).
+        grad_parts = [tf.split(g, count) for g in grad_pred]
+        sums = [None] * len(self.stages)
+        for index, tape in enumerate(tapes):
+            targets = tf.nest.flatten(predictions[index]) + call_losses[index]
+            seeds = [parts[index] for parts in grad_parts] + grad_calls[index]
+            grads = tape.gradient(targets, stage_variables, output_gradients=seeds)
             sums = [_accumulate(total, g, device)
                     for total, g, device in zip(sums, grads, self.devices)]
-            losses.append(loss)
-            predictions.append(prediction)
+        # Weight regularizers: through the loss tape, once per batch.
+        offset = 0
+        for stage, (grads, device) in enumerate(zip(sums, self.devices)):
+            size = len(grads)
+            with tf.device(device):
+                sums[stage] = [_add(g, r) for g, r in zip(grads, grad_vars[offset:offset + size])]
+            offset += size
         if self.data_parallel:
             from keras_dist import num_workers
             from keras_dist.parallel._cross_worker import all_reduce_stage_gradients
 
             sums = all_reduce_stage_gradients(sums, self.devices, num_workers())
         self.optimizer.apply_gradients(
-            zip([g for stage in sums for g in stage], [v for vs in stage_variables for v in vs]))
-        y_pred = tf.concat(predictions, axis=0)
-        self._loss_tracker.update_state(tf.add_n(losses) / count,
-                                        sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+            zip([g for stage in sums for g in stage], flat_variables))
+        pipeline_internals.track_loss(self, loss, tf.shape(tf.nest.flatten(x)[0])[0])
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _check_batch(self, x):
@@ -193,34 +228,51 @@ class PipelineModel(keras.Model):
 
 
 def _place_slots(optimizer, stages, devices) -> None:
-    """Makes `optimizer` create each variable's slots on that variable's stage device.
-
-    Keras' TF optimizer colocates slots with `colocate_vars_with`, which the default
-    strategy honours only in graph mode; slots are created eagerly, so without this they
-    would all land on the first device and defeat the split of optimizer memory.
-    """
+    """Each variable's optimizer slots on its stage's device (compat.pipeline_internals)."""
     device_of = {id(v): d for stage, d in zip(stages, devices) for v in stage.variables}
-    for target in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        if target is None or getattr(target, "_keras_dist_placed", False):
-            continue
-        create = target.add_variable_from_reference
+    pipeline_internals.place_slots(optimizer, device_of)
 
-        def placed(reference_variable, *args, _create=create, **kwargs):
-            device = device_of.get(id(reference_variable))
-            if device is None:
-                return _create(reference_variable, *args, **kwargs)
-            with tf.device(device):
-                return _create(reference_variable, *args, **kwargs)
 
-        target.add_variable_from_reference = placed
-        target._keras_dist_placed = True
+_REMAT_CALL_LOSSES = (
+    "PipelineModel(remat=True) cannot train a stage that adds losses in call() (an "
+    "activity_regularizer or add_loss): the recomputed call's losses are outside the "
+    "gradient. Use remat=False, or move the regularization to weights "
+    "(kernel_regularizer), which works with remat.")
+
+
+def _call_losses(model) -> list:
+    """The losses the stages added in their last call (activity regularizers, add_loss).
+
+    `model.losses` lists those (kept from the call) and the weight regularizers
+    (recomputed on every read): the ones the same in two reads are the call's.
+    """
+    again = model.losses
+    return [loss for loss in model.losses if any(loss is other for other in again)]
+
+
+def _call_loss_correction(call_losses):
+    """What turns Keras' loss (which holds the last micro-batch's call losses) into the
+    whole batch's: the mean of every micro-batch's call losses. Keras divides an
+    activity regularizer by the batch size, so for the sum-type L1/L2 regularizers (and
+    an `add_loss` of a batch mean) the mean over equal micro-batches is exact."""
+    if not any(call_losses):
+        return 0.0
+    total = [tf.reduce_sum(tf.cast(loss, keras.backend.floatx()))
+             for losses in call_losses for loss in losses]
+    last = [tf.reduce_sum(tf.cast(loss, keras.backend.floatx())) for loss in call_losses[-1]]
+    return tf.add_n(total) / len(call_losses) - tf.add_n(last)
+
+
+def _add(a, b):
+    """a + b, where None (no gradient) counts as zero."""
+    return a if b is None else b if a is None else a + b
 
 
 def _accumulate(total, grads, device):
     if total is None:
         return list(grads)
     with tf.device(device):
-        return [t + g for t, g in zip(total, grads)]
+        return [_add(t, g) for t, g in zip(total, grads)]
 
 
 def _batch_message(batch, count) -> str:
