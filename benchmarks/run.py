@@ -7,8 +7,9 @@
     python benchmarks/run.py --link-rate 1gbit,10gbit --quick   # link simulator + model
 
 Every figure is a ratio against plain tf.distribute (the seed's way) measured in the
-same run. Benchmarks: overhead, scaling, input_sharding, communication, memory,
-sparse_accumulation (one module each in benchmarks/). The JSON goes to `--output` (default
+same run (pipeline: against GPipe's bubble model). Benchmarks: overhead, scaling,
+input_sharding, communication, memory, sparse_accumulation, pipeline (one module each in
+benchmarks/). The JSON goes to `--output` (default
 benchmarks/results/results.json), the plot `scaling_bandwidth.png` next to it, and a
 markdown summary is printed at the end. Each measurement runs in fresh processes; this
 one never imports TensorFlow. `--smoke` is for the tests: minimal sizes, meaningless
@@ -33,7 +34,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 BENCHMARKS = ("overhead", "scaling", "input_sharding", "communication", "memory",
-              "sparse_accumulation")
+              "sparse_accumulation", "pipeline")
 _DEVICE_AWARE = ("overhead", "communication")  # take --device/--replicas/... options
 # Only on request (`--link-rate` or `--only linksim`): it needs root or CAP_NET_ADMIN.
 OPTIONAL = ("linksim",)
