@@ -129,25 +129,29 @@ def _summarize_group(outcome: dict, link) -> dict:
 def _fit(groups: list) -> dict:
     from keras_dist.planning import Engine, fit_alpha_beta
 
-    base = [g for g in groups if g["rate_bps"] is None]
+    # The engine comes from the smallest group on unlimited loopback (2 workers: one
+    # core each); larger groups, and every link, are predictions out of sample.
+    smallest = min(g["workers"] for g in groups if g["rate_bps"] is None)
+    base = [g for g in groups if g["rate_bps"] is None and g["workers"] == smallest]
     samples = [(g["workers"], r["size_bytes"], r["time_us"] / 1e6)
                for g in base for r in g["allreduce"]]
     alpha, beta, error = fit_alpha_beta(samples)
     engine = Engine("measured", alpha, beta,
-                    "fitted: TensorFlow's gRPC ring all-reduce on CPU over unlimited "
-                    f"loopback, {common.cpu_model()}, {os.cpu_count()} cores")
+                    f"fitted: TensorFlow's gRPC ring all-reduce on CPU, {smallest} workers "
+                    f"on unlimited loopback, {common.cpu_model()}, {os.cpu_count()} cores")
     per_rate = []
     for group in groups:
-        if group["rate_bps"] is None:
+        if group in base:
             continue
         a, b, e = fit_alpha_beta([(group["workers"], r["size_bytes"], r["time_us"] / 1e6)
                                   for r in group["allreduce"]])
-        link_beta = b - beta
+        link_beta = b - beta if group["rate_bps"] else 0.0
         per_rate.append({"workers": group["workers"], "rate_bps": group["rate_bps"],
                          "alpha_us": 1e6 * a, "beta_ns_per_byte": 1e9 * b,
                          "fit_max_rel_error": e,
                          # 8 / (beta - beta_engine): the link's rate as the model sees it
                          "effective_rate_bps": 8 / link_beta if link_beta > 0 else None})
+    per_rate.sort(key=lambda f: (f["workers"], f["rate_bps"] or 0))
     return {"engine": engine, "fit_max_rel_error": error, "per_rate": per_rate}
 
 

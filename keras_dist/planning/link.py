@@ -68,7 +68,8 @@ class Link:
         return None if self.rate_bps is None else self.rate_bps * max(1, self.workers)
 
     def describe(self) -> str:
-        text = f"{format_rate(self.rate_bps)} per worker"
+        text = (f"{format_rate(self.rate_bps)} per worker" if self.rate_bps is not None
+                else "unlimited loopback") + f", {self.workers} workers"
         if self.rate_bps is not None:
             text += f" (loopback qdisc {format_rate(self.qdisc_rate_bps)} for {self.workers})"
         if self.latency_s:
