@@ -213,7 +213,7 @@ def _cases() -> list[Case]:
         _c("TensorBoard", "TensorBoard(log_dir='')", ValueError,
            "Argument `log_dir` must be a non-empty path"),
     ]
-    cases += _data_cases() + _callback_cases() + _planning_cases()
+    cases += _data_cases() + _callback_cases() + _planning_cases() + _parallel_cases()
     return cases
 
 
@@ -235,6 +235,33 @@ def _planning_cases() -> list[Case]:
         _c("keras-dist bench allreduce", "keras_dist_cli('bench', 'allreduce', "
            "'--link-rate', 'fast')", CommandLineError, "argument --link-rate: Unknown link "
            "rate 'fast'"),
+    ]
+
+
+def _parallel_cases() -> list[Case]:
+    return [
+        _c("parallel.split_sequential", "parallel.split_sequential(object(), 2)", ValueError,
+           "must be a keras.Sequential. Received: model='object'. For other models, build "
+           "the stages yourself"),
+        _c("parallel.split_sequential", "parallel.split_sequential(stages[0], 3)", ValueError,
+           "Argument `num_stages` must be at most the number of layers (1)"),
+        _c("parallel.split_sequential", "parallel.split_sequential(keras.Sequential("
+           "[keras.layers.Dense(2), keras.layers.Dense(2)]), 2, balance=[2, 1])", ValueError,
+           "Argument `balance` must be 'params' or 2 layer counts >= 1 summing to 2"),
+        _c("parallel.PipelineModel", "parallel.PipelineModel([])", ValueError,
+           "Argument `stages` must be a non-empty list of keras.Sequential"),
+        _c("parallel.PipelineModel", "parallel.PipelineModel(stages, num_microbatches=0)",
+           ValueError, "Argument `num_microbatches` must be an integer >= 1"),
+        _c("parallel.PipelineModel", "parallel.PipelineModel(stages, remat='yes')", ValueError,
+           "Argument `remat` must be True or False"),
+        _c("parallel.PipelineModel", "parallel.PipelineModel(stages, devices=['/device:CPU:0'])",
+           ValueError, "Got 1 devices for 2 stages"),
+        _c("parallel.PipelineModel", "parallel.PipelineModel(stages, devices=['/device:CPU:0', "
+           "'/device:GPU:7'])", ValueError, "'/device:GPU:7' does not exist; the devices are"),
+        _c("parallel.ShardedDense", "parallel.ShardedDense(4, mode='diagonal')", ValueError,
+           "Argument `mode` must be one of ['column', 'row']"),
+        _c("parallel.ShardedDense", "parallel.ShardedDense(0)", ValueError,
+           "Argument `units` must be an integer >= 1"),
     ]
 
 
@@ -299,12 +326,18 @@ def _namespace() -> dict:
     from keras_dist.checkpointing import (BackupAndRestore, ModelCheckpoint, TensorBoard)
     from keras_dist.launch import launch, launch_script
 
+    import keras
+
+    from keras_dist import parallel
+
     return {
         "keras_dist": keras_dist, "ClusterConfig": ClusterConfig, "callbacks": callbacks,
         "BackupAndRestore": BackupAndRestore, "ModelCheckpoint": ModelCheckpoint,
         "TensorBoard": TensorBoard, "launch": launch, "launch_script": launch_script,
         "keras_dist_cli": keras_dist_cli, "sys": sys, "__file__": __file__,
         "X": np.zeros((16, 4), dtype="float32"), "planning": planning,
+        "keras": keras, "parallel": parallel,
+        "stages": [keras.Sequential([keras.layers.Dense(2)]) for _ in range(2)],
     }
 
 
@@ -338,7 +371,8 @@ def render_markdown() -> str:
         "the `keras-dist` command line (it exits with the code shown and prints the "
         "message to stderr); `callbacks` is `keras_dist.callbacks`, and "
         "`BackupAndRestore`, `ModelCheckpoint`, `TensorBoard` are "
-        "`keras_dist.checkpointing`'s.",
+        "`keras_dist.checkpointing`'s; `parallel` is `keras_dist.parallel` and `stages` "
+        "two unbuilt one-layer `keras.Sequential`.",
         "",
         "| API | Call | Raises | Message contains | Environment |",
         "|---|---|---|---|---|",
