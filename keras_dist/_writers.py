@@ -9,11 +9,18 @@ stock writers), free of upstream internals:
   file appears complete or not at all. A directory (SavedModel) is renamed into place;
   an older one at the path is first renamed aside, then deleted.
 * The other workers write under a private temporary directory, deleted at once.
-* The chief then publishes "done" (or its error) for `(path, n)` - the n-th save to that
-  path in this process - in TensorFlow's coordination service; the others wait for it
-  before returning, so a load right after the save works on every worker. The chief
-  never waits, so a script that saves on the chief only (`if is_chief(): model.save(p)`)
-  still runs.
+* Saves are paired across workers by file name and order: the chief's n-th save of a
+  file named `B` pairs with every other worker's n-th save of a file named `B` (in
+  whatever directory), so a worker that saves into its own `tempfile.mkdtemp()` (Ray's
+  documented pattern) pairs with the chief's save of its own directory, and one path
+  shared by every worker pairs with itself.
+* The chief publishes "started: <its path>" for the pair before writing, then "done" (or
+  its error) in TensorFlow's coordination service; the others wait for both before
+  returning, so a load of the chief's file right after the save works on every worker.
+  The chief never waits, so a script that saves on the chief only
+  (`if is_chief(): model.save(p)`) still runs. A worker whose chief never makes the
+  paired save gets `StockWriterError` after `KERAS_DIST_STOCK_WRITERS_TIMEOUT` seconds
+  (default 600), naming the path and the variable.
 
 Paths keras_dist already made private (`chief_path()` on other workers, keras_dist's
 own ModelCheckpoint/TensorBoard/BackupAndRestore temporaries) are written as given.
@@ -33,7 +40,13 @@ from typing import Any, Callable
 
 ENV_SWITCH = "KERAS_DIST_STOCK_WRITERS"
 ENV_TIMEOUT = "KERAS_DIST_STOCK_WRITERS_TIMEOUT"
-_DEFAULT_TIMEOUT_SECONDS = 3600.0
+# How long another worker waits for the chief to reach the paired save; a mismatch (a
+# save the chief never makes) is an error after this. Once the chief has started, its
+# write is waited for as long as it takes (a chief that dies ends the wait: the
+# coordination service runs in the chief).
+_DEFAULT_TIMEOUT_SECONDS = 600.0
+_WRITE_WAIT_SECONDS = 24 * 3600.0
+_KEY_ROOT = "keras_dist/stock_writers"
 TMP_PREFIX = ".tmp-keras-dist-"
 PRIVATE_PREFIX = "keras_dist-worker"
 USER_WORKER_PREFIX = "workertemp_"
@@ -104,9 +117,8 @@ def write(path: str, write_to: Callable[[str], Any], *, in_place: bool = False,
     """
     if not active() or is_remote(path):
         return write_to(path)
-    chief_path = chief_path_for(path)
-    if chief_path is not None:
-        return _write_per_worker_path(path, chief_path, write_to)
+    if chief_path_for(path) is not None:
+        return _write_per_worker_path(path, write_to)
     if is_private(path):
         return write_to(path)
     with _nested() as nested:
@@ -119,6 +131,9 @@ def write(path: str, write_to: Callable[[str], Any], *, in_place: bool = False,
         key = _key(path)
         if _runtime.is_chief():
             return _chief_write(path, write_to, key, in_place)
+        # Another worker: whether `path` is the chief's path or this worker's own (a
+        # mkdtemp() of its own), its file goes to a removed temporary; the chief's file
+        # is the one that stays (tf_keras' rule).
         result = _private_write(path, write_to)
         wait_for_chief(key, path)
         return path if returns_path else result
@@ -135,27 +150,30 @@ def chief_path_for(path: str) -> str | None:
     return os.sep.join(kept) if len(kept) != len(parts) else None
 
 
-def _write_per_worker_path(path, chief_path, write_to):
+def _write_per_worker_path(path, write_to):
     # The user chose this worker's own path (and removes it); write it as given, then
-    # return once the chief's file is complete, so loading the chief's path right after
-    # works here too ("the chief saves, then every worker loads").
+    # return once the chief's file of that name is complete, so loading the chief's path
+    # right after works here too ("the chief saves, then every worker loads").
     from keras_dist import _runtime
 
+    key = _key(path)
+    if _runtime.is_chief():
+        return _chief_write(path, write_to, key, in_place=True)
     result = write_to(path)
-    if not _runtime.is_chief():
-        wait_for_chief(_key(chief_path), chief_path)
+    wait_for_chief(key, path)
     return result
 
 
 def _chief_write(path, write_to, key, in_place):
     from keras_dist.compat import coordination
 
+    coordination.set_value(f"{key}/started", os.path.abspath(path))
     try:
         result = write_to(path) if in_place else replace_into(path, write_to)
     except BaseException as error:
-        coordination.set_value(key, f"error: {type(error).__name__}: {error}")
+        coordination.set_value(f"{key}/done", f"error: {type(error).__name__}: {error}")
         raise
-    coordination.set_value(key, "done")
+    coordination.set_value(f"{key}/done", "done")
     return result
 
 
@@ -167,29 +185,71 @@ def _private_write(path, write_to):
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def timeout_seconds() -> float:
+    """How long another worker waits for the chief to reach a paired save."""
+    raw = os.environ.get(ENV_TIMEOUT, "").strip()
+    if not raw:
+        return _DEFAULT_TIMEOUT_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(
+            f"{ENV_TIMEOUT} must be a positive number of seconds (how long other workers "
+            f"wait for the chief to make the same save). Received: {ENV_TIMEOUT}={raw!r}")
+    return value
+
+
 def wait_for_chief(key: str, path: str) -> None:
-    """Returns once the chief published `key`; raises if it reported an error."""
+    """Returns once the chief's save paired with `key` is complete.
+
+    Raises:
+        StockWriterError: The chief did not reach that save within `timeout_seconds()`,
+            or its write failed.
+    """
+    from keras_dist import _runtime
     from keras_dist.compat import coordination
 
-    timeout = float(os.environ.get(ENV_TIMEOUT) or _DEFAULT_TIMEOUT_SECONDS)
+    timeout = timeout_seconds()
+    name, count = _key_parts(key)
     try:
-        value = coordination.get_value(key, timeout)
+        coordination.get_value(f"{key}/started", timeout)
     except Exception as error:
         raise StockWriterError(
-            f"The chief did not report {path!r} complete (waited up to {timeout:.0f} s; "
-            f"{type(error).__name__}: {error}). Every worker must make the same saves "
-            f"in the same order; set {ENV_TIMEOUT} to wait longer, or {ENV_SWITCH}=0 to "
-            "turn keras_dist's stock-writer handling off."
+            f"Worker {_runtime.worker_index()} saved {path!r}, its save number {count} of a "
+            f"file named {name!r}, but the chief made no save number {count} of a file "
+            f"named {name!r} within {timeout:g} s ({type(error).__name__}). keras_dist "
+            "pairs a save on the other workers with the chief's save of the same file "
+            "name, in order, and waits until the chief's file is complete: every worker "
+            "must make the same saves with the same file names in the same order (a save "
+            "made on the chief only, or a file name that differs per worker, breaks that). "
+            f"Set {ENV_TIMEOUT} (seconds) to wait longer for a chief that is slow to get "
+            f"there, or {ENV_SWITCH}=0 to turn keras_dist's stock-writer handling off."
+        ) from None
+    try:
+        value = coordination.get_value(f"{key}/done", _WRITE_WAIT_SECONDS)
+    except Exception as error:
+        raise StockWriterError(
+            f"The chief started its save paired with {path!r} but did not report it "
+            f"complete ({type(error).__name__}: {error})."
         ) from None
     if value != "done":
-        raise StockWriterError(f"The chief failed to write {path!r}: {value}")
+        raise StockWriterError(f"The chief failed to write its file paired with {path!r}: "
+                               f"{value}")
 
 
 def _key(path: str) -> str:
-    absolute = os.path.abspath(path.rstrip(os.sep) or path)
+    """The pairing key of this process's next save of a file named like `path`."""
+    name = os.path.basename(os.path.abspath(path.rstrip(os.sep) or path))
     with _counts_lock:
-        _counts[absolute] += 1
-        return f"keras_dist/stock_writers/{_counts[absolute]}/{absolute}"
+        _counts[name] += 1
+        return f"{_KEY_ROOT}/{_counts[name]}/{name}"
+
+
+def _key_parts(key: str) -> tuple[str, int]:
+    count, name = key[len(_KEY_ROOT) + 1:].split("/", 1)
+    return name, int(count)
 
 
 def replace_into(path: str, write_to: Callable[[str], Any]) -> Any:

@@ -49,6 +49,8 @@ def _watch_for_partial_zip(path, stop, seen_bad):
 
 def _every_writer(root):
     import shutil
+    import sys
+    import tempfile
     import threading
 
     import keras
@@ -56,6 +58,7 @@ def _every_writer(root):
     import tensorflow as tf
 
     import keras_dist
+    from keras_dist import _writers
     from keras_dist.compat import _patch
 
     strategy = keras_dist.strategy()
@@ -139,6 +142,37 @@ def _every_writer(root):
     exported = tf.saved_model.load(f"{root}/export")  # kept: serve() needs its variables
     served = exported.serve(x).numpy()
     out["export_matches"] = bool(np.allclose(served, model.predict(x, verbose=0), atol=1e-6))
+    # The save_and_load tutorial's bug: model.export loads a fresh `tf.saved_model`
+    # module (Keras imports tensorflow.saved_model.experimental); the stock writers must
+    # stay patched after it, else both workers write the next SavedModel into one
+    # directory and a load mixes the two saves' files.
+    out["saved_model_patched_after_export"] = [
+        getattr(function, "_keras_dist_fix", None) for function in (
+            tf.saved_model.save, tf.saved_model.load,
+            sys.modules["tensorflow.saved_model"].save)]
+    tf.saved_model.save(module, f"{root}/export")  # replaces the export just loaded
+    out["saved_model_over_export"] = tf.saved_model.load(
+        f"{root}/export").value.numpy().tolist()
+    # Ray's documented pattern: every worker saves into its own mkdtemp(). Paired with
+    # the chief's save of the same file name: no wait for a path the chief never saves;
+    # the other workers' files are temporaries, removed (the chief's file is the one).
+    own = tempfile.mkdtemp(dir=f"{root}/per_worker")
+    model.save(os.path.join(own, "model.keras"))
+    model.save_weights(os.path.join(own, "model.weights.h5"))
+    out["own_dir"] = (own, sorted(os.listdir(own)))
+    if index == 0:
+        out["own_keras_loads"] = same(
+            keras.models.load_model(os.path.join(own, "model.keras")).get_weights())
+    # A save the chief never makes: a clear error after the timeout, not an hour's wait.
+    if index == 1:
+        os.environ[_writers.ENV_TIMEOUT] = "2"
+        try:
+            model.save_weights(f"{root}/only_worker1.weights.h5")
+            out["unpaired_error"] = None
+        except _writers.StockWriterError as error:
+            out["unpaired_error"] = str(error)
+        finally:
+            del os.environ[_writers.ENV_TIMEOUT]
     keras_dist.barrier("writers-done")
     out["tree"] = _tree(root) if index == 0 else None
     out["csv_lines"] = open(f"{root}/log.csv").read().splitlines() if index == 0 else None
@@ -151,6 +185,7 @@ def test_every_stock_writer_on_one_path(tmp_path):
     root, temp = tmp_path / "shared", tmp_path / "tmp"
     root.mkdir()
     temp.mkdir()
+    (root / "per_worker").mkdir()
     results = run_on_workers(_every_writer, num_workers=2, args=(str(root),),
                              timeout=WRITERS_TIMEOUT, env={"TMPDIR": str(temp)})
     for out in results:
@@ -168,7 +203,18 @@ def test_every_stock_writer_on_one_path(tmp_path):
             "variables/variables.data-00000-of-00001": True}, out
         assert out["saved_model_value"] == [1.0, 2.0, 3.0], out
         assert out["export_matches"], out
+        assert out["saved_model_patched_after_export"] == [
+            "stock_writers_multi_worker"] * 3, out
+        assert out["saved_model_over_export"] == [1.0, 2.0, 3.0], out
         assert out["private_left"] == [], out  # other workers' temporaries are gone
+    own_dirs = [out["own_dir"] for out in results]
+    assert own_dirs[0][0] != own_dirs[1][0], own_dirs
+    assert own_dirs[0][1] == ["model.keras", "model.weights.h5"], own_dirs
+    assert own_dirs[1][1] == [], own_dirs  # worker 1's own save: a removed temporary
+    assert results[0]["own_keras_loads"], results[0]
+    error = results[1]["unpaired_error"]
+    assert error is not None and "only_worker1.weights.h5" in error, error
+    assert "KERAS_DIST_STOCK_WRITERS_TIMEOUT" in error and "within 2 s" in error, error
     tree = results[0]["tree"]
     assert not [p for p in tree if ".tmp-keras-dist-" in p], tree  # no half-written files
     for expected in ("ckpt/w-1.weights.h5", "ckpt/w-2.weights.h5", "ckpt/m-1.keras",

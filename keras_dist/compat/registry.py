@@ -205,6 +205,19 @@ _WRITER_INTERNALS = (
         ("strategy",), "`save` still calls it",
         _code_mentions(_tf_checkpoint_class, "save", r"self\._write\(")),
     Internal(
+        "tf.python.saved_model.save",
+        "Patched where `tf.saved_model.save` is defined (and in every loaded copy): "
+        "TensorFlow loads a fresh `tf.saved_model` module on the first import of "
+        "`tensorflow.saved_model...` (Keras' `model.export` does), copying it from there.",
+        ("strategy",), "attribute lookup on tensorflow.python.saved_model.save",
+        _attribute(_keras_module("tensorflow.python.saved_model.save"), "save")),
+    Internal(
+        "tf.python.saved_model.load",
+        "Patched where `tf.saved_model.load` is defined (and in every loaded copy), as "
+        "`save`: maps `experimental_io_device='/job:localhost'` to this worker.",
+        ("strategy",), "attribute lookup on tensorflow.python.saved_model.load",
+        _attribute(_keras_module("tensorflow.python.saved_model.load"), "load")),
+    Internal(
         "tf.context.wait_at_barrier",
         "keras_dist.barrier() waits in the coordination service's barrier.",
         ("barrier",), "attribute lookup on tensorflow.python.eager.context.Context",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 
 from keras_dist import _writers
 from keras_dist.compat import _patch, _probe
@@ -51,6 +52,38 @@ def _checkpoint_class():
     from tensorflow.python.checkpoint import checkpoint
 
     return checkpoint.Checkpoint
+
+
+def _saved_model_modules():
+    """TensorFlow's modules that define `tf.saved_model.save` and `tf.saved_model.load`."""
+    from tensorflow.python.saved_model import load, save
+
+    return save, load
+
+
+def _patch_function(defining_module, name: str, replacement) -> None:
+    """Replaces `defining_module.name` and every loaded TensorFlow module's copy of it.
+
+    TensorFlow's public API modules (`tf.saved_model`, `tf.compat.v2.saved_model`, ...)
+    copy the function from its defining module when they are loaded, and TensorFlow may
+    load a fresh copy of one later: the first `import tensorflow.saved_model...` (Keras'
+    `model.export` runs `from tensorflow.saved_model.experimental import ...`) loads
+    `tensorflow.saved_model` anew and rebinds `tf.saved_model` to it. Patching only
+    `tf.saved_model` then silently ends after the first export (issue 10: on 2 workers
+    both wrote one SavedModel directory, and a load mixed the two saves' files). A
+    module loaded later copies the replacement from the defining module.
+    """
+    original = _patch.original(defining_module, name)
+    owners = [defining_module]
+    for module_name, module in list(sys.modules.items()):
+        # __dict__, not getattr: a lazy module must not be loaded by looking.
+        namespace = getattr(module, "__dict__", None)
+        if (module is not None and module is not defining_module
+                and module_name.startswith("tensorflow") and isinstance(namespace, dict)
+                and namespace.get(name) is original):
+            owners.append(module)
+    for owner in owners:
+        _patch.patch(owner, name, replacement, fix=NAME)
 
 
 def _file_utils():
@@ -124,11 +157,9 @@ def _map_localhost_io_device(kwargs) -> None:
 
 
 def _patch_tensorflow() -> None:
-    import tensorflow as tf
-
-    saved_model_save = _patch.original(tf.saved_model, "save")
-
-    saved_model_load = _patch.original(tf.saved_model, "load")
+    save_module, load_module = _saved_model_modules()
+    saved_model_save = _patch.original(save_module, "save")
+    saved_model_load = _patch.original(load_module, "load")
 
     @functools.wraps(saved_model_save)
     def patched_saved_model_save(obj, export_dir, *args, **kwargs):
@@ -158,8 +189,8 @@ def _patch_tensorflow() -> None:
         _map_localhost_io_device(kwargs)
         return saved_model_load(export_dir, *args, **kwargs)
 
-    _patch.patch(tf.saved_model, "save", patched_saved_model_save, fix=NAME)
-    _patch.patch(tf.saved_model, "load", patched_saved_model_load, fix=NAME)
+    _patch_function(save_module, "save", patched_saved_model_save)
+    _patch_function(load_module, "load", patched_saved_model_load)
     _patch.patch(checkpoint, "_write", patched_write, fix=NAME)
 
 
@@ -257,7 +288,8 @@ FIX = Fix(
     "temporaries, and all return once the chief's file is complete.",
     symbols=("keras.ModelCheckpoint._save_model", "keras.BackupAndRestore._save_model",
              "keras.file_utils.makedirs", "keras.TensorBoard._log_write_dir",
-             "tf.Checkpoint._write", "tf.context.set_config_key_value",
+             "tf.Checkpoint._write", "tf.python.saved_model.save",
+             "tf.python.saved_model.load", "tf.context.set_config_key_value",
              "tf.context.get_config_key_value"),
     probe=probe,
     apply=apply,
