@@ -57,6 +57,9 @@ def settings(mode: str, *, link_rates=DEFAULT_RATES, link_workers=(2,)) -> dict:
         warmup_steps=common.pick(mode, smoke=2, quick=3, full=4),
         steps=common.pick(mode, smoke=3, quick=6, full=10),
         rounds=common.pick(mode, smoke=1, quick=2, full=3),
+        # The sweep runs this often; each size keeps its fastest time (least disturbed
+        # by other processes on a shared machine).
+        sweep_repeats=common.pick(mode, smoke=1, quick=2, full=3),
         write_engine=mode != "smoke",
     )
 
@@ -72,8 +75,10 @@ def measure(config: dict) -> dict:
     tf.get_logger().setLevel("ERROR")
     strategy = keras_dist.strategy()
     workers = keras_dist.num_workers()
-    sweep = _bench.sweep(strategy, config["sizes"], ["keras_dist_fp32"],
-                         budget_bytes=config["budget_bytes"])
+    sweeps = [_bench.sweep(strategy, config["sizes"], ["keras_dist_fp32"],
+                           budget_bytes=config["budget_bytes"])
+              for _ in range(config.get("sweep_repeats", 1))]
+    sweep = [min(rows, key=lambda row: row["time_us"]) for rows in zip(*sweeps)]
     batch = config["per_worker_batch"]
     x, y = common.synthetic_classification(4 * batch * workers, config["features"])
     # Outside any scope: the default strategy, no collective; every worker runs it at
@@ -159,8 +164,7 @@ def _calibrate(groups: list, engine) -> dict:
     """Per worker count, from the unlimited loopback: the step beyond compute + all-reduce.
 
     residual = step - compute - t(gradient): > 0 is a fixed overhead per distributed step
-    (`overhead_ms`), < 0 means part of the all-reduce was hidden (`overlap`, a fraction of
-    the compute). The links then change only t; that is what the validation tests.
+    (`overhead_ms`); the links then change only t, which is what the validation tests.
     """
     calibration = {}
     for group in groups:
@@ -168,10 +172,12 @@ def _calibrate(groups: list, engine) -> dict:
             continue
         comm_ms = 1000 * engine.time(4 * group["params"], group["workers"], None)
         residual = group["step_ms"] - group["compute_ms"] - comm_ms
+        # Overlap stays 0: measured in issue 14, nothing of the all-reduce is hidden
+        # (a negative residual is the model's error, not overlap, and is reported).
         calibration[group["workers"]] = {
             "residual_ms": residual,
             "overhead_ms": max(0.0, residual),
-            "overlap": min(1.0, max(0.0, -residual) / group["compute_ms"]),
+            "overlap": 0.0,
         }
     return calibration
 
@@ -383,3 +389,33 @@ def report(result: dict) -> None:
         f"{result['model_compute_ms']:.0f} ms compute per worker step, overhead "
         f"{result.get('model_overhead_ms', 0):.1f} ms, overlap {result.get('model_overlap', 0):.2f})",
         ["engine/variant", "workers"] + columns, table)
+
+
+def markdown(result: dict) -> str:
+    """The README's tables: links set vs achieved, validation, predictions at 64 workers."""
+    from keras_dist.planning import format_rate, parse_rate
+
+    def pct(value):
+        return f"{value:+.0%}"
+
+    lines = ["| workers | link (per worker) | raw TCP achieved | all-reduce busbw, "
+             f"{result['groups'][0]['allreduce'][-1]['size_bytes'] >> 20} MB | compute ms | "
+             "step measured ms | step predicted ms | error | bare model error |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    checks = {(v["workers"], v["rate_bps"]): v for v in result["validation"]}
+    for group in result["groups"]:
+        check = checks[(group["workers"], group["rate_bps"])]
+        lines.append(
+            f"| {group['workers']} | {format_rate(group['rate_bps'])} | "
+            f"{format_rate(group['raw_tcp_per_worker_bps'])} | "
+            f"{format_rate(group['allreduce'][-1]['busbw_bps'])} | {check['compute_ms']:.0f} | "
+            f"{check['step_measured_ms']:.0f} | {check['step_predicted_ms']:.0f} | "
+            f"{pct(check['step_rel_error'])} | {pct(check['step_uncalibrated_rel_error'])} |")
+    lines += ["", "| engine / variant | " + " | ".join(
+        format_rate(parse_rate(rate)) for rate in PREDICT_RATES) + " |",
+        "| --- |" + " ---: |" * len(PREDICT_RATES)]
+    for key, rows in result["predictions"].items():
+        by_rate = {r["link_rate_bps"]: r for r in rows if r["workers"] == 64}
+        lines.append(f"| {key} | " + " | ".join(
+            f"{by_rate[parse_rate(rate)]['efficiency']:.2f}" for rate in PREDICT_RATES) + " |")
+    return "\n".join(lines)
