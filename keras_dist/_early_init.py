@@ -78,7 +78,33 @@ def configure_collectives_at_import() -> EarlyInitState:
         state = EarlyInitState(cluster=cluster)
     else:
         state = EarlyInitState(cluster=cluster, configured=True)
+        _meet_peers_before_the_first_op(cluster)
     return state
+
+
+def check_startup(cluster: ClusterConfig) -> None:
+    """Raises what `MultiWorkerMirroredStrategy` would, explained, before any wait for peers.
+
+    Called by the rendezvous before it waits: TensorFlow's "configured at program startup"
+    error (an op ran before `import keras_dist`, or the cluster changed after it) is
+    certain before the peers are met, so the user learns it at once instead of after the
+    startup timeout. When TensorFlow has not run an op yet, this prepares it exactly as
+    the import-time hook does (the cluster was set after `import keras_dist`).
+    """
+    global state
+    if state.configured and state.cluster == cluster:
+        return
+    try:
+        _configure_collectives(cluster)
+    except (RuntimeError, ValueError) as error:
+        explained = startup_error(cluster, error)
+        if explained is None:
+            raise
+        raise explained from None
+    except (ImportError, AttributeError, TypeError):
+        return  # a TensorFlow without these internals: its own behaviour stays
+    state = EarlyInitState(cluster=cluster, configured=True)
+    _meet_peers_before_the_first_op(cluster)
 
 
 def refresh_server_def() -> None:
@@ -117,6 +143,57 @@ def startup_error(cluster: ClusterConfig, error: Exception) -> RuntimeError | No
         "keras_dist.strategy() before building tensors or datasets. "
         f"(TensorFlow said: {error})"
     )
+
+
+def _meet_peers_before_the_first_op(cluster: ClusterConfig) -> None:
+    """The first op starts this task's server: meet the peers first, with a deadline.
+
+    With collectives configured here, whatever runs TensorFlow's first op (a dataset built
+    before `keras_dist.strategy()`, as TensorFlow's tutorials do) starts the gRPC server
+    and waits inside TensorFlow for every peer: no deadline, no name for a missing peer,
+    deaf to SIGTERM. So the first call of `Context.ensure_initialized` (every op's way
+    to the runtime) first runs `keras_dist._rendezvous.meet_peers` (deadline
+    `KERAS_DIST_STARTUP_TIMEOUT`, the missing workers named, SIGTERM/SIGINT honoured),
+    then puts the original method back and starts the runtime; afterwards SIGTERM is
+    given back to Python's handler (TensorFlow's server installs its own, which only
+    records the signal). Private TensorFlow symbol: `Context.ensure_initialized` of
+    `tensorflow.python.eager.context` (wrapped once, on the class, then restored).
+    """
+    import threading
+
+    from tensorflow.python.eager import context
+
+    owner = context.Context
+    original = owner.__dict__.get("ensure_initialized")
+    if original is None or getattr(original, "_keras_dist_meets_peers", False):
+        return
+    lock = threading.Lock()
+    failed: list = []
+
+    def ensure_initialized(self):
+        with lock:
+            if failed:
+                # Not a second wait (an op at exit, after SIGTERM or a failed start-up).
+                raise RuntimeError("keras_dist: TensorFlow cannot start this worker: "
+                                   f"meeting its peers failed earlier ({failed[0]})")
+            if owner.__dict__.get("ensure_initialized") is ensure_initialized:
+                from keras_dist import _rendezvous
+
+                try:
+                    _rendezvous.meet_peers(
+                        cluster, during="keras_dist (TensorFlow's first op, which starts "
+                        "this worker's server before keras_dist.strategy())")
+                except BaseException as error:
+                    failed.append(f"{type(error).__name__}: {error}")
+                    raise
+                owner.ensure_initialized = original
+                original(self)
+                _rendezvous.after_server_start(cluster)
+        return original(self)
+
+    ensure_initialized._keras_dist_meets_peers = True
+    ensure_initialized.__doc__ = original.__doc__
+    owner.ensure_initialized = ensure_initialized
 
 
 def _describe(cluster: ClusterConfig | None) -> str:

@@ -82,23 +82,138 @@ def startup_timeout(value, environ: Mapping[str, str] | None = None) -> float:
 
 
 def meet_peers(cluster, timeout_seconds: float | None = None,
-               environ: Mapping[str, str] | None = None) -> None:
-    """Waits until every chief/worker task of `cluster` is up, or raises `StartupError`."""
+               environ: Mapping[str, str] | None = None,
+               during: str = "keras_dist.strategy()") -> None:
+    """Waits until every chief/worker task of `cluster` is up, or raises `StartupError`.
+
+    `during` names what is starting, for the messages.
+    """
     deadline = time.monotonic() + startup_timeout(timeout_seconds, environ)
     tasks = {(job, index): address for job in _JOBS
              for index, address in enumerate(cluster.cluster.get(job, ()))}
     me = (cluster.task_type, cluster.task_index)
     if me not in tasks:
         return  # an evaluator or ps task: not part of the collective group
+    # TensorFlow's "configured at program startup" error is certain before any wait.
+    from keras_dist import _early_init
+
+    _early_init.check_startup(cluster)
     address = tasks.pop(me)
     port = int(address.rsplit(":", 1)[1])
-    if _listening_here(port):
-        return
     digest = hashlib.sha256(json.dumps({job: list(cluster.cluster.get(job, ()))
                                         for job in _JOBS}, sort_keys=True).encode()).hexdigest()
-    meeting = _Meeting(me, address, port, tasks, digest[:16], deadline)
+    if (me, digest) in _met or _listening_here(port):
+        return
+    meeting = _Meeting(me, address, port, tasks, digest[:16], deadline, during)
     with _signals_end_the_wait(meeting):
         meeting.run()
+    _met.add((me, digest))
+
+
+# (task, cluster digest) of every meeting this process completed: the first op and
+# keras_dist.strategy() both ask, the peers are met once.
+_met: set = set()
+
+
+def after_server_start(cluster) -> None:
+    """Once TensorFlow started this task's server: SIGTERM/SIGINT end a blocked worker.
+
+    TensorFlow's server installs a C++ SIGTERM handler that only records the signal
+    (its preemption notifier), so a worker that never asked for SIGTERM handling no
+    longer stops on SIGTERM and waits for its launcher's SIGKILL. Python's own handler
+    for SIGTERM (the default, or one installed before) is put back here. A Python
+    handler (TensorFlow's `PreemptionCheckpointHandler`, keras_dist's backup on SIGTERM,
+    the default SIGINT one) only runs when the main thread comes back to Python, never
+    while it is blocked in a collective whose peer is gone; a watcher thread, woken by
+    the signal (`signal.set_wakeup_fd`), ends the process with exit code 128 + signal
+    when the main thread has not moved and a peer of the cluster no longer answers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if handler is not None:  # None: installed outside Python, not ours to replace
+        signal.signal(signal.SIGTERM, handler)
+    peers = [address for job in _JOBS
+             for index, address in enumerate(cluster.cluster.get(job, ()))
+             if (job, index) != (cluster.task_type, cluster.task_index)]
+    _start_signal_watcher(f"{cluster.task_type} {cluster.task_index}", peers)
+
+
+_watcher_started = False
+_wakeup_sockets: list = []
+_BLOCKED_FOR = 0.5
+
+
+def _start_signal_watcher(me: str, peers: list) -> None:
+    global _watcher_started
+    if _watcher_started or not peers:
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    try:
+        previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        reader.close()
+        writer.close()
+        return
+    if previous != -1:  # an event loop owns the wake-up fd: leave it
+        signal.set_wakeup_fd(previous)
+        reader.close()
+        writer.close()
+        return
+    _watcher_started = True
+    _wakeup_sockets.extend((reader, writer))  # the wake-up fd must stay open
+    main = threading.main_thread().ident
+    thread = threading.Thread(target=_watch_signals, args=(reader, main, me, peers),
+                              name="keras_dist-signal-watcher", daemon=True)
+    thread.start()
+
+
+def _main_position(main_ident):
+    frame = sys._current_frames().get(main_ident)
+    return None if frame is None else (id(frame), frame.f_lasti)
+
+
+def _watch_signals(reader, main_ident, me, peers) -> None:
+    while True:
+        try:
+            data = reader.recv(64)
+        except OSError:
+            return
+        if not data:
+            return
+        for signum in set(data) & {signal.SIGTERM, signal.SIGINT}:
+            _end_if_blocked(signal.Signals(signum), main_ident, me, peers)
+
+
+def _end_if_blocked(signum, main_ident, me, peers) -> None:
+    """Ends the process when the main thread sits still and a peer is gone."""
+    position = _main_position(main_ident)
+    still_since = time.monotonic()
+    while position is not None:
+        time.sleep(0.1)
+        now = _main_position(main_ident)
+        if now != position:
+            return  # the main thread runs Python: the signal's handler ran
+        if time.monotonic() - still_since < _BLOCKED_FOR:
+            continue
+        gone = [address for address in peers if not _answers(address)]
+        if gone:
+            os.write(2, (f"keras_dist: {signum.name} while {me} was blocked in "
+                         f"TensorFlow (a collective op waiting for {', '.join(gone)}, "
+                         "which no longer answers), where the signal's Python handler "
+                         "cannot run; exiting now with code "
+                         f"{128 + signum}\n").encode())
+            os._exit(128 + signum)
+        still_since = time.monotonic()
+
+
+def _answers(address: str) -> bool:
+    try:
+        with _connect(address, _CONNECT_TIMEOUT):
+            return True
+    except OSError:
+        return False
 
 
 def _name(task) -> str:
@@ -106,8 +221,9 @@ def _name(task) -> str:
 
 
 class _Meeting:
-    def __init__(self, me, address, port, peers, digest, deadline):
+    def __init__(self, me, address, port, peers, digest, deadline, during):
         self.me, self.address, self.port, self.peers = me, address, port, peers
+        self.during = during
         self.digest, self.deadline = digest, deadline
         self.reached: set = set()
         self.heard: set = set()
@@ -234,7 +350,7 @@ class _Meeting:
                else "answered, but never connected back")
             + ")" for task in self.missing())
         waited = time.monotonic() - self.started
-        return (f"keras_dist.strategy(): {_name(self.me)} waited {waited:.0f} s for its peers "
+        return (f"{self.during}: {_name(self.me)} waited {waited:.0f} s for its peers "
                 f"and these never joined: {details}. Check that each was started (pod "
                 "scheduled, process running) with the same TF_CONFIG 'cluster', that the "
                 "addresses are right and reachable from here (firewalls, DNS), then start "
@@ -252,7 +368,7 @@ class _Meeting:
         if holder is not None and (holder.get("job"), holder.get("index")) == self.me:
             return self._duplicate_message(holder)
         owner = _port_owner(self.port)
-        return (f"keras_dist.strategy(): port {self.port} of {self.address}, this task's "
+        return (f"{self.during}: port {self.port} of {self.address}, this task's "
                 f"({_name(self.me)}) address in TF_CONFIG, is already in use"
                 f"{f' by {owner}' if owner else ''} ({_reason(error)}). Likely a worker of "
                 "an earlier run still running, a second process started with the same task "
@@ -357,7 +473,12 @@ def _signals_end_the_wait(meeting):
                          f"{meeting._describe_missing() or 'its peers'}; exiting\n")
         if interrupted.signum == signal.SIGINT:
             raise KeyboardInterrupt from None
-        raise SystemExit(128 + interrupted.signum) from None
+        # As SIGTERM's default action: no interpreter shutdown, which takes seconds with
+        # TensorFlow loaded (more on a busy machine) and may run ops that wait again.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(128 + interrupted.signum)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -56,28 +56,39 @@ def _wait_listening(process, port, timeout=60):
     raise AssertionError(f"worker never listened on {port}")
 
 
-def _finish(process, timeout=50):
+def _finish(process, timeout=100):
     output, _ = process.communicate(timeout=timeout)
     seconds = re.search(r"(\w+) after ([\d.]+) s", output)
     return process.returncode, output, seconds and float(seconds.group(2))
 
 
+# "--op-first": a TensorFlow op before keras_dist.strategy() (data before strategy) starts
+# the server, so the wait for peers happens at that op; it must keep the same guarantees.
 @pytest.mark.multiworker
-@pytest.mark.timeout(60)
-def test_a_missing_peer_is_named_when_the_startup_timeout_ends(start):
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("order", ["strategy", "--op-first"])
+def test_a_missing_peer_is_named_when_the_startup_timeout_ends(start, monkeypatch, order):
     addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
-    code, output, seconds = _finish(start(addresses, 0, "--startup-timeout", "3"))
+    if order == "strategy":
+        worker = start(addresses, 0, "--startup-timeout", "3")
+    else:  # no strategy() argument reaches the first op: the environment variable does
+        monkeypatch.setenv("KERAS_DIST_STARTUP_TIMEOUT", "3")
+        worker = start(addresses, 0, order)
+    code, output, seconds = _finish(worker)
     assert code == 1, output
     assert "StartupError" in output
     assert f"these never joined: worker 1 at {addresses[1]} (never answered: connection " \
            "refused" in output
     assert "KERAS_DIST_STARTUP_TIMEOUT" in output
     assert 3 <= seconds < 6
-    print(f"missing peer: StartupError {seconds} s after strategy() (timeout 3 s)")
+    if order == "--op-first":
+        assert "TensorFlow's first op" in output and "calling keras_dist.strategy()" \
+            not in output
+    print(f"missing peer ({order}): StartupError {seconds} s after start (timeout 3 s)")
 
 
 @pytest.mark.multiworker
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_a_duplicate_task_index_fails_fast_on_both_processes(start):
     addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
     first = start(addresses, 0)
@@ -94,7 +105,7 @@ def test_a_duplicate_task_index_fails_fast_on_both_processes(start):
 
 
 @pytest.mark.multiworker
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_a_port_in_use_fails_fast_and_stops_the_peers(start):
     addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
     port = int(addresses[0].rsplit(":", 1)[1])
@@ -115,16 +126,56 @@ def test_a_port_in_use_fails_fast_and_stops_the_peers(start):
 
 
 @pytest.mark.multiworker
-@pytest.mark.timeout(60)
-def test_sigterm_while_waiting_for_peers_ends_the_process(start):
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("order", ["strategy", "--op-first"])
+def test_sigterm_while_waiting_for_peers_ends_the_process(start, order):
     addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
     # A SIGTERM handler that only records the signal, as TensorFlow's preemption one.
-    waiting = start(addresses, 0, "--record-sigterm")
+    flags = ("--record-sigterm",) + ((order,) if order != "strategy" else ())
+    waiting = start(addresses, 0, *flags)
     _wait_listening(waiting, int(addresses[0].rsplit(":", 1)[1]))
     signalled = time.monotonic()
     waiting.send_signal(signal.SIGTERM)
     code, output, _ = _finish(waiting, timeout=10)
     assert time.monotonic() - signalled < 10
-    print(f"SIGTERM while waiting: exited {time.monotonic() - signalled:.2f} s after it")
+    print(f"SIGTERM while waiting ({order}): exited {time.monotonic() - signalled:.2f} s "
+          "after it")
     assert code == 128 + signal.SIGTERM, output
     assert f"SIGTERM while worker 0 waited for worker 1 at {addresses[1]}; exiting" in output
+    assert not _left_behind(waiting)
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(150)
+def test_sigterm_ends_a_worker_blocked_in_a_collective_whose_peer_is_gone(start):
+    # Worker 0 records SIGTERM (as TensorFlow's preemption handler does) and sits in an
+    # all-reduce that worker 1 never joins: the handler cannot run, the worker still ends.
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    blocked = start(addresses, 0, "--record-sigterm", "--collective")
+    gone = start(addresses, 1, "--collective")
+    assert gone.wait(timeout=100) == 1, gone.stdout.read()
+    for line in blocked.stdout:
+        if "worker 0 enters the all-reduce" in line:
+            break
+    time.sleep(1)  # inside the collective
+    signalled = time.monotonic()
+    blocked.send_signal(signal.SIGTERM)
+    code, output, _ = _finish(blocked, timeout=20)
+    seconds = time.monotonic() - signalled
+    print(f"SIGTERM in a collective: exited {seconds:.2f} s after it")
+    assert code == 128 + signal.SIGTERM, output
+    assert "SIGTERM while worker 0 was blocked in TensorFlow (a collective op waiting for " \
+           f"{addresses[1]}" in output
+    assert seconds < 5
+    assert not _left_behind(blocked)
+
+
+def _left_behind(process):
+    return [p for p in psutil.process_iter() if _group(p) == process.pid]
+
+
+def _group(process):
+    try:
+        return os.getpgid(process.pid)
+    except OSError:
+        return None

@@ -130,10 +130,6 @@ def _strategy_after_too_early_op():
     return messages
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 12 open: since the start-up rendezvous landed, strategy() first waits for "
-    "the (absent) peers up to KERAS_DIST_STARTUP_TIMEOUT before TensorFlow's startup "
-    "error can be explained; the too-early-op check must run before the rendezvous"))
 def test_op_before_the_cluster_is_known_gets_a_clear_error():
     (late_config, late_import) = run_in_subprocess(_strategy_after_too_early_op, timeout=120)
     assert late_config[0] == "builtins"
