@@ -95,9 +95,6 @@ KNOWN_OPEN = {
         "issue 10 open: under 2 launched workers, tf.saved_model.load of the directory "
         "model.export just replaced restores a variable of another shape (Shape "
         "mismatch (3, 3, 1, 8) vs (1352, 16))"),
-    ("two_workers-numerics", "multi_worker_with_keras"): (
-        "issue 10 open: the model loaded from the chief's .keras file and fit again "
-        "differs from one device by 7e-4 on 2 launched workers"),
 }
 
 
