@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import keras_dist
-from keras_dist import _backup_files
+from keras_dist.checkpointing import files as backup_files
 from keras_dist.checkpointing import (
     PREEMPTION_EXIT_CODE,
     BackupAndRestore,
@@ -169,14 +169,14 @@ def test_a_crash_during_a_save_leaves_the_previous_backup_loadable(tmp_path, mon
     assert sorted(os.listdir(backup_dir)) == ["backup-000001.weights.h5", "backup.json"]
 
     # Crash after the new weights file is in place but before backup.json is replaced.
-    real_temporary_name = _backup_files.temporary_name
+    real_temporary_name = backup_files.temporary_name
 
     def die_before_metadata(directory, suffix):
         if suffix == ".json":
             raise OSError("simulated crash before the metadata")
         return real_temporary_name(directory, suffix)
 
-    monkeypatch.setattr(_backup_files, "temporary_name", die_before_metadata)
+    monkeypatch.setattr(backup_files, "temporary_name", die_before_metadata)
     with pytest.raises(OSError, match="before the metadata"):
         _model().fit(_dataset(), epochs=EPOCHS, verbose=0,
                      callbacks=[BackupAndRestore(backup_dir)])

@@ -110,13 +110,13 @@ class StepTimeMonitor(Callback):
             self.print_fn(format_report(report, first, self._steps, self.straggler_ratio))
 
     def _gather(self, rows: np.ndarray) -> np.ndarray:
-        from keras_dist import _preemption
+        from keras_dist.checkpointing import preemption
         from keras_dist.strategies import resolve_strategy
 
         strategy = resolve_strategy()
-        if not _preemption.is_multi_worker(strategy):
+        if not preemption.is_multi_worker(strategy):
             return rows[None]
-        gathered = _preemption.gather_rows(strategy, rows.reshape(-1))
+        gathered = preemption.gather_rows(strategy, rows.reshape(-1))
         return gathered.reshape(gathered.shape[0], -1, 3)
 
 

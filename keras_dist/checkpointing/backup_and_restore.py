@@ -1,18 +1,7 @@
-"""Fault tolerance: multi-worker-safe backup/restore, SIGTERM handling, chief-only outputs.
+"""`BackupAndRestore`: resume a killed, crashed or preempted run where it stopped.
 
-`BackupAndRestore` lets a training run that was killed, crashed or preempted continue
-where it stopped when the script is started again (by `keras-dist launch
---max-restarts`, Kubernetes, Slurm, or by hand). `chief_path`, `verbose`,
-`ModelCheckpoint` and `TensorBoard` make the chief the only worker that keeps files and
-prints progress. The callbacks are exported as `keras_dist.callbacks.*`.
-
-What a dead or stuck peer does (measured on CPU, TF 2.21, 2 workers): TensorFlow's
-coordination service notices a killed worker within seconds (a non-chief missed
-heartbeats: ~6 s; the chief's socket closed: <1 s) and every surviving worker's
-collective fails with `tf.errors.UnavailableError`, so the process exits non-zero and
-the scheduler (or `keras-dist launch`) restarts the group. A peer that is alive but
-stuck (never reaching its next collective) is only caught by
-`keras_dist.strategy(timeout_seconds=...)`; see its docstring for the cost.
+The on-disk format is `checkpointing.files`, the SIGTERM agreement
+`checkpointing.preemption`, the mid-epoch skip `checkpointing.step_skipper`.
 """
 
 from __future__ import annotations
@@ -24,22 +13,15 @@ import tempfile
 
 import numpy as np
 
-from keras_dist import _backup_files, _preemption
+from keras_dist import _validation
 from keras_dist._callback_base import Callback
-from keras_dist._backup_files import BackupError
-from keras_dist._chief_outputs import ModelCheckpoint, TensorBoard, chief_path, verbose
-from keras_dist._preemption import PREEMPTION_EXIT_CODE
+from keras_dist.checkpointing import files, preemption
+from keras_dist.checkpointing.files import BackupError
+from keras_dist.checkpointing.preemption import PREEMPTION_EXIT_CODE
+from keras_dist.checkpointing.step_skipper import StepSkipper
 from keras_dist.cluster import is_chief, num_workers, worker_index
 
-__all__ = [
-    "BackupAndRestore",
-    "BackupError",
-    "ModelCheckpoint",
-    "TensorBoard",
-    "PREEMPTION_EXIT_CODE",
-    "chief_path",
-    "verbose",
-]
+__all__ = ["BackupAndRestore"]
 
 
 class BackupAndRestore(Callback):
@@ -128,42 +110,27 @@ class BackupAndRestore(Callback):
     ):
         super().__init__()
         self.backup_dir = _check_backup_dir(backup_dir)
-        if save_freq != "epoch" and (
-            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
-        ):
-            raise ValueError(
-                "Argument `save_freq` must be 'epoch' or an integer >= 1 (a number of "
-                f"batches). Received: save_freq={save_freq!r}"
-            )
-        for name, value in (("delete_checkpoint", delete_checkpoint),
-                            ("handle_sigterm", handle_sigterm)):
-            if not isinstance(value, bool):
-                raise ValueError(
-                    f"Argument `{name}` must be True or False. Received: {name}={value!r}"
-                )
-        if preemption_exit_code is not None and (
-            isinstance(preemption_exit_code, bool)
-            or not isinstance(preemption_exit_code, int)
-            or not 0 <= preemption_exit_code <= 255
-        ):
-            raise ValueError(
-                "Argument `preemption_exit_code` must be an integer in 0..255 or None "
-                f"(return from fit). Received: preemption_exit_code={preemption_exit_code!r}"
-            )
-        if isinstance(preemption_check_freq, bool) or not isinstance(
-            preemption_check_freq, int
-        ) or preemption_check_freq < 1:
-            raise ValueError(
-                "Argument `preemption_check_freq` must be an integer >= 1 (batches between "
-                f"SIGTERM checks). Received: preemption_check_freq={preemption_check_freq!r}"
-            )
+        if save_freq != "epoch" and not (_validation.is_int(save_freq) and save_freq >= 1):
+            raise ValueError(_validation.message(
+                "save_freq", "'epoch' or an integer >= 1 (a number of batches)", save_freq))
+        _validation.check_bool("delete_checkpoint", delete_checkpoint)
+        _validation.check_bool("handle_sigterm", handle_sigterm)
+        if preemption_exit_code is not None and not (
+                _validation.is_int(preemption_exit_code) and 0 <= preemption_exit_code <= 255):
+            raise ValueError(_validation.message(
+                "preemption_exit_code", "an integer in 0..255 or None (return from fit)",
+                preemption_exit_code))
+        if not (_validation.is_int(preemption_check_freq) and preemption_check_freq >= 1):
+            raise ValueError(_validation.message(
+                "preemption_check_freq", "an integer >= 1 (batches between SIGTERM checks)",
+                preemption_check_freq))
         self.save_freq = save_freq
         self.preemption_check_freq = preemption_check_freq
         self.delete_checkpoint = delete_checkpoint
         self.handle_sigterm = handle_sigterm
         self.preemption_exit_code = preemption_exit_code
         self.preempted = False
-        self._sigterm = _preemption.SigtermFlag()
+        self._sigterm = preemption.SigtermFlag()
         self._reset_run_state()
 
     def _reset_run_state(self):
@@ -185,11 +152,11 @@ class BackupAndRestore(Callback):
         self._reset_run_state()
         self.preempted = False
         strategy = self.model.distribute_strategy
-        self._multi_worker = _preemption.is_multi_worker(strategy)
-        backup = _backup_files.read_backup(self.backup_dir)
+        self._multi_worker = preemption.is_multi_worker(strategy)
+        backup = files.read_backup(self.backup_dir)
         found = (1, backup.epoch, backup.step, backup.seq) if backup else (0, 0, 0, 0)
         if self._multi_worker:
-            _check_same_backup(_preemption.gather_rows(strategy, found), self.backup_dir)
+            _check_same_backup(preemption.gather_rows(strategy, found), self.backup_dir)
         if backup is not None:
             self._restore(backup)
         if self.handle_sigterm:
@@ -234,7 +201,7 @@ class BackupAndRestore(Callback):
             # Keras reads `_initial_epoch` in every later `fit`; leave no stale value.
             self.model._initial_epoch = None
         if self.delete_checkpoint and not self.preempted and is_chief():
-            _backup_files.delete_backup(self.backup_dir)
+            files.delete_backup(self.backup_dir)
 
     # -- helpers --------------------------------------------------------------------
     def _restore(self, backup):
@@ -258,7 +225,7 @@ class BackupAndRestore(Callback):
         self._set_initial_epoch = True
         self._resume_epoch, self._resume_step = epoch, step
         if step:
-            self._skipper = _StepSkipper.install(self.model, step)
+            self._skipper = StepSkipper.install(self.model, step)
         if is_chief():
             print(f"BackupAndRestore: resuming at epoch {epoch} (0-based), {step} batch(es) "
                   f"into it, from {backup.weights_path}", flush=True)
@@ -273,7 +240,7 @@ class BackupAndRestore(Callback):
             return False
         if not self._multi_worker:
             return self._sigterm.received
-        rows = _preemption.gather_rows(
+        rows = preemption.gather_rows(
             self.model.distribute_strategy, (int(self._sigterm.received), 0, 0, 0)
         )
         self._signalled = [i for i, row in enumerate(rows) if row[0]]
@@ -288,7 +255,7 @@ class BackupAndRestore(Callback):
         if self._multi_worker:
             # Barrier: nobody exits (and gets its peers killed) before the chief's backup
             # is complete on disk.
-            _preemption.gather_rows(self.model.distribute_strategy, (0, 0, 0, 0))
+            preemption.gather_rows(self.model.distribute_strategy, (0, 0, 0, 0))
         self.preempted = True
         self.model.stop_training = True
         print(f"BackupAndRestore: worker {worker_index()}: SIGTERM on worker(s) "
@@ -307,7 +274,7 @@ class BackupAndRestore(Callback):
 
     def _save(self, epoch, step):
         if is_chief():
-            _backup_files.write_backup(
+            files.write_backup(
                 self.backup_dir, self._save_weights, epoch, step, num_workers()
             )
         else:
@@ -321,47 +288,6 @@ class BackupAndRestore(Callback):
 
     def _save_weights(self, path):
         self.model.save_weights(path, overwrite=True)
-
-
-class _StepSkipper:
-    """Wraps `model.train_function` to read and drop the first `steps` batches.
-
-    The Keras fit loop has no way to start an epoch part-way, but it calls
-    `model.train_function(iterator)` once per `steps_per_execution` batches and passes
-    the iterator; taking the batches from it without training advances the input to
-    where the interrupted run stopped.
-    """
-
-    def __init__(self, function, steps, steps_per_execution):
-        self.function = function
-        self.remaining = steps
-        self.steps_per_execution = max(1, int(steps_per_execution or 1))
-
-    @classmethod
-    def install(cls, model, steps):
-        function = model.train_function
-        while isinstance(function, _StepSkipper):  # left over from an aborted fit
-            function = function.function
-        skipper = cls(function, steps, getattr(model, "steps_per_execution", 1))
-        model.train_function = skipper
-        return skipper
-
-    def remove(self, model):
-        if model.train_function is self:
-            model.train_function = self.function
-        self.remaining = 0
-
-    def __call__(self, iterator):
-        if self.remaining <= 0:
-            return self.function(iterator)
-        count = min(self.remaining, self.steps_per_execution)
-        for _ in range(count):
-            if hasattr(iterator, "get_next"):
-                iterator.get_next()
-            else:
-                next(iterator)
-        self.remaining -= count
-        return {}
 
 
 def _check_backup_dir(backup_dir) -> str:
