@@ -12,21 +12,49 @@ TensorFlow only when first used), so `keras_dist.virtual_devices(n)` can still r
 
 import importlib
 
-from keras_dist.cluster import (
-    ClusterConfig,
-    ClusterConfigError,
-    is_chief,
-    num_workers,
-    worker_index,
-)
-from keras_dist.devices import local_devices, physical_devices, virtual_devices
+# The public API, declared once: each public name -> the module that defines it. A name
+# mapped to `keras_dist.<name>` itself is a public submodule. `__all__`, `dir()` and the
+# lookup on first access (PEP 562) are all derived from this table.
+_PUBLIC = {
+    # cluster, devices, the strategy
+    "ClusterConfig": "keras_dist.cluster",
+    "ClusterConfigError": "keras_dist.cluster",
+    "is_chief": "keras_dist.cluster",
+    "num_workers": "keras_dist.cluster",
+    "worker_index": "keras_dist.cluster",
+    "virtual_devices": "keras_dist.devices",
+    "physical_devices": "keras_dist.devices",
+    "local_devices": "keras_dist.devices",
+    "strategy": "keras_dist.strategies",
+    "resolve_strategy": "keras_dist.strategies",
+    # data
+    "global_batch_size": "keras_dist.data.batching",
+    "per_replica_batch_size": "keras_dist.data.batching",
+    "scale_learning_rate": "keras_dist.data.batching",
+    "distribute_dataset": "keras_dist.data",
+    "steps_per_epoch": "keras_dist.data",
+    # launching, outputs, synchronisation
+    "notebook_launcher": "keras_dist.launching.notebook",
+    "WorkerError": "keras_dist.launching.notebook",
+    "chief_path": "keras_dist.checkpointing",
+    "verbose": "keras_dist.checkpointing",
+    "barrier": "keras_dist.barriers",
+    # public submodules (old import paths `batching`, `launch`, `notebook` included)
+    **{name: f"keras_dist.{name}" for name in (
+        "aggregation", "barriers", "batching", "callbacks", "checkpointing", "cluster",
+        "compat", "data", "devices", "integrations", "launch", "launching", "notebook",
+        "parallel", "planning", "strategies", "testing")},
+}
+
+__all__ = list(_PUBLIC)
 
 # `keras_dist.strategy` is the factory function. The old module of that name
 # (keras_dist/strategy.py, now a re-export of keras_dist.strategies) is loaded first, so
-# that a later `import keras_dist.strategy` finds it in sys.modules and does not rebind
-# the package attribute; the function is bound after it.
+# that a later `import keras_dist.strategy` finds it in sys.modules and leaves the package
+# attribute alone; the attribute the import bound is then dropped, so that the name
+# resolves through `_PUBLIC` to the function like every other public name.
 importlib.import_module("keras_dist.strategy")
-from keras_dist.strategies import resolve_strategy, strategy  # noqa: E402
+globals().pop("strategy")
 
 # The one import-time side effect (house rule 4), only under a multi-worker TF_CONFIG or
 # Slurm job: TensorFlow's collective ops must be configured before its first op, so that
@@ -38,45 +66,15 @@ _early_init.configure_collectives_at_import()
 
 __version__ = "0.1.0"
 
-# Public name -> module that defines it; imported on first access (PEP 562).
-_LAZY = {
-    "global_batch_size": "keras_dist.batching",
-    "per_replica_batch_size": "keras_dist.batching",
-    "scale_learning_rate": "keras_dist.batching",
-    "distribute_dataset": "keras_dist.data",
-    "steps_per_epoch": "keras_dist.data",
-    "notebook_launcher": "keras_dist.notebook",
-    "WorkerError": "keras_dist.notebook",
-    "chief_path": "keras_dist.checkpointing",
-    "verbose": "keras_dist.checkpointing",
-    "barrier": "keras_dist.barriers",
-}
-_LAZY_MODULES = ("callbacks", "aggregation", "launch", "testing", "data", "batching", "parallel")
-
-__all__ = [
-    "ClusterConfig",
-    "ClusterConfigError",
-    "is_chief",
-    "num_workers",
-    "worker_index",
-    "virtual_devices",
-    "physical_devices",
-    "local_devices",
-    "strategy",
-    "resolve_strategy",
-    *_LAZY,
-    "callbacks",
-]
-
 
 def __getattr__(name):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    if name in _LAZY_MODULES:
-        return importlib.import_module(f"keras_dist.{name}")
-    raise AttributeError(f"module 'keras_dist' has no attribute {name!r}")
+    module_name = _PUBLIC.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'keras_dist' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if module_name == f"keras_dist.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
 
 
 def __dir__():
