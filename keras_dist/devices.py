@@ -11,6 +11,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+from keras_dist import _validation
+
 __all__ = ["virtual_devices", "physical_devices", "local_devices"]
 
 _DEVICE_TYPES = ("CPU", "GPU")
@@ -121,16 +123,11 @@ def virtual_devices(
         >>> keras_dist.virtual_devices(2, "CPU")
         ['/device:CPU:0', '/device:CPU:1']
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"Argument `n` must be an integer >= 1. Received: n={n!r}")
-    if memory_limit_mb is not None and (
-        isinstance(memory_limit_mb, bool) or not isinstance(memory_limit_mb, int)
-        or memory_limit_mb < 1
-    ):
-        raise ValueError(
-            "Argument `memory_limit_mb` must be a positive integer or None. "
-            f"Received: memory_limit_mb={memory_limit_mb!r}"
-        )
+    n = _validation.check_int("n", n, 1)
+    if memory_limit_mb is not None and not (
+            _validation.is_int(memory_limit_mb) and memory_limit_mb >= 1):
+        raise ValueError(_validation.message("memory_limit_mb", "a positive integer or None",
+                                             memory_limit_mb))
     import tensorflow as tf
 
     device_type = _check_device_type(device_type)
@@ -142,11 +139,17 @@ def virtual_devices(
             f"Argument `device_type` is {device_type!r}, but TensorFlow sees no "
             f"{device_type} device on this machine. Use device_type='CPU' or None."
         )
-    first = physical[0]
     names = [f"/device:{device_type}:{i}" for i in range(n)]
-    current = tf.config.get_logical_device_configuration(first)
-    if current is not None and len(current) == n:
-        return names
+    current = tf.config.get_logical_device_configuration(physical[0])
+    if current is None or len(current) != n:
+        _split_first_device(physical[0], device_type, n, memory_limit_mb, current)
+    return names
+
+
+def _split_first_device(first, device_type, n, memory_limit_mb, current) -> None:
+    """Splits physical device `first` into `n` logical ones (before TF initialises)."""
+    import tensorflow as tf
+
     if device_type == "GPU":
         per_device = memory_limit_mb or max(
             1, int(_gpu_total_memory_mb(0) * _GPU_MEMORY_FRACTION) // n
@@ -170,7 +173,6 @@ def virtual_devices(
     # In a multi-worker job the server that the first op starts creates the devices
     # from the definition recorded at import; it must see the new layout.
     _early_init.refresh_server_def()
-    return names
 
 
 def _gpu_total_memory_mb(index: int) -> int:

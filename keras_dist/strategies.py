@@ -119,14 +119,7 @@ def strategy(
               cross_device_ops)
     _rendezvous.check_argument(startup_timeout_seconds)
     cluster = ClusterConfig.from_env()
-    if cross_device_ops is not None and cluster.is_multi_worker:
-        raise ValueError(
-            f"Argument `cross_device_ops` only applies to MirroredStrategy, but the cluster "
-            f"({cluster.source}) has {cluster.num_workers} workers, so keras_dist.strategy() "
-            "builds a MultiWorkerMirroredStrategy. Choose its all-reduce with "
-            "`implementation` instead. "
-            f"Received: cross_device_ops={cross_device_ops!r}"
-        )
+    _check_cross_device_ops(cross_device_ops, cluster)
     resolved_kind, resolved_devices = _choose(kind, devices, cluster)
     implementation = _normalized_implementation(implementation)
     # CrossDeviceOps compare by identity: the same instance, the same strategy.
@@ -136,19 +129,35 @@ def strategy(
     existing = _runtime.find(key)
     if existing is not None:
         return existing.strategy
+    return _create(key, startup_timeout_seconds)
+
+
+def _check_cross_device_ops(cross_device_ops, cluster) -> None:
+    if cross_device_ops is not None and cluster.is_multi_worker:
+        raise ValueError(
+            f"Argument `cross_device_ops` only applies to MirroredStrategy, but the cluster "
+            f"({cluster.source}) has {cluster.num_workers} workers, so keras_dist.strategy() "
+            "builds a MultiWorkerMirroredStrategy. Choose its all-reduce with "
+            "`implementation` instead. "
+            f"Received: cross_device_ops={cross_device_ops!r}"
+        )
+
+
+def _create(key, startup_timeout_seconds):
+    """Builds and remembers the strategy `key` describes (one multi-worker per process)."""
+    kind, devices, implementation, bytes_per_pack, timeout_seconds, cluster, ops = key
     for created in _runtime.created():
         if created.kind == "multi_worker":
             raise RuntimeError(_second_multi_worker_message(created.key, key))
-    if resolved_kind == "multi_worker":
+    if kind == "multi_worker":
         # Before anything runs an op: TensorFlow's own wait for peers has no deadline.
         _rendezvous.meet_peers(cluster, startup_timeout_seconds)
     from keras_dist import compat
 
     compat.apply()
-    built = _build(resolved_kind, resolved_devices, cluster, implementation,
-                   bytes_per_pack, timeout_seconds, cross_device_ops)
-    _runtime.remember(_runtime.Created(key=key, strategy=built, kind=resolved_kind,
-                                       cluster=cluster))
+    built = _build(kind, devices, cluster, implementation, bytes_per_pack, timeout_seconds,
+                   ops)
+    _runtime.remember(_runtime.Created(key=key, strategy=built, kind=kind, cluster=cluster))
     return built
 
 

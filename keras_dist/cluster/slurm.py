@@ -89,6 +89,17 @@ def tf_config_from_slurm(environ: Mapping[str, str], error_type: type) -> dict |
         return None
     rank = _read_int(environ, "SLURM_PROCID", error_type, minimum=0)
 
+    hosts, nodes_var = _hosts(environ, error_type)
+    tasks_per_node = _checked_tasks_per_node(environ, hosts, nodes_var, rank, error_type)
+    port_base = _port_base(environ, max(tasks_per_node), error_type)
+    placement = _placement(tasks_per_node, _plane_size(environ, error_type))
+    workers = [f"{hosts[node]}:{port_base + local}" for node, local in placement]
+    _check_own_placement(environ, rank, hosts, placement, error_type)
+    return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
+
+
+def _hosts(environ: Mapping[str, str], error_type: type) -> tuple[list[str], str]:
+    """The step's nodes in Slurm order, and the variable that listed them."""
     nodes_var, nodelist = _first_set(
         environ, ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     )
@@ -110,7 +121,12 @@ def tf_config_from_slurm(environ: Mapping[str, str], error_type: type) -> dict |
             f"{nodes_var} lists node(s) {duplicates} more than once. "
             f"Received: {nodes_var}={nodelist!r}."
         )
+    return hosts, nodes_var
 
+
+def _checked_tasks_per_node(environ: Mapping[str, str], hosts: list[str], nodes_var: str,
+                            rank: int, error_type: type) -> list[int]:
+    """Tasks on each node, checked against the task count and this task's rank."""
     ntasks_var = _first_set(environ, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))[0]
     ntasks = None
     if ntasks_var is not None:
@@ -131,12 +147,7 @@ def tf_config_from_slurm(environ: Mapping[str, str], error_type: type) -> dict |
             f"({ntasks_var}); expected 0..{ntasks - 1}. Received: "
             f"SLURM_PROCID={environ['SLURM_PROCID']!r}."
         )
-
-    port_base = _port_base(environ, max(tasks_per_node), error_type)
-    placement = _placement(tasks_per_node, _plane_size(environ, error_type))
-    workers = [f"{hosts[node]}:{port_base + local}" for node, local in placement]
-    _check_own_placement(environ, rank, hosts, placement, error_type)
-    return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
+    return tasks_per_node
 
 
 def expand_hostlist(hostlist: str) -> list[str]:

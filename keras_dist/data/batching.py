@@ -123,7 +123,16 @@ def scale_learning_rate(
         )
     if rule not in _RULES:
         raise ValueError(f"Argument `rule` must be one of {list(_RULES)}. Received: rule={rule!r}")
-    replicas = _replicas(strategy)
+    factor = _batch_growth(_replicas(strategy), base_batch, per_replica)
+    if rule == "linear":
+        return float(base_lr) * factor
+    if rule == "sqrt":
+        return float(base_lr) * math.sqrt(factor)
+    return float(base_lr)
+
+
+def _batch_growth(replicas: int, base_batch, per_replica) -> float:
+    """How many times the global batch grew over the one `base_lr` was tuned for."""
     if base_batch is None:
         if per_replica is not None:
             raise ValueError(
@@ -131,18 +140,12 @@ def scale_learning_rate(
                 f"batch base_lr was tuned for). Received: per_replica={per_replica!r}, "
                 "base_batch=None"
             )
-        factor = float(replicas)
-    else:
-        base_batch = _check_positive_int("base_batch", base_batch)
-        if per_replica is None:
-            raise ValueError(
-                f"Argument `base_batch` ({base_batch}) needs `per_replica`, the per-replica "
-                "batch you train with now, to know the new global batch."
-            )
-        per_replica = _check_positive_int("per_replica", per_replica)
-        factor = per_replica * replicas / base_batch
-    if rule == "linear":
-        return float(base_lr) * factor
-    if rule == "sqrt":
-        return float(base_lr) * math.sqrt(factor)
-    return float(base_lr)
+        return float(replicas)
+    base_batch = _check_positive_int("base_batch", base_batch)
+    if per_replica is None:
+        raise ValueError(
+            f"Argument `base_batch` ({base_batch}) needs `per_replica`, the per-replica "
+            "batch you train with now, to know the new global batch."
+        )
+    per_replica = _check_positive_int("per_replica", per_replica)
+    return per_replica * replicas / base_batch

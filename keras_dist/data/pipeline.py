@@ -41,33 +41,10 @@ import dataclasses
 
 from keras_dist import _runtime, _validation
 from keras_dist.data import sources as _data_sources
+from keras_dist.data.plan import Layout, Plan, layout_of, plan_for
 from keras_dist.strategies import resolve_strategy
 
 __all__ = ["distribute_dataset", "steps_per_epoch"]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    num_workers: int
-    local_replicas: int
-    # MultiWorkerMirrored: per-replica batches through distribute_datasets_from_function.
-    from_function: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    worker_batch: int  # examples per worker per step
-    batch: int  # examples per element of the per-worker dataset
-    batches_per_step: int  # elements of the per-worker dataset one step consumes
-    sizes: tuple | None  # every worker's shard size, when known
-    batches: tuple | None  # every worker's batch count before equalising
-    steps: int | None  # steps per epoch, the same on every worker
-
-    @property
-    def needs_padding(self) -> bool:
-        return self.batches is not None and any(
-            self.steps * self.batches_per_step > count for count in self.batches
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,45 +54,8 @@ class _Settings:
     shuffle_buffer: int | None
     repeat: bool
     map_fn: object
-    drop_remainder: bool
+    drop_remainder: bool | None  # None until the layout decides
     cache: bool
-
-
-def _layout(strategy) -> _Layout:
-    import tensorflow as tf
-
-    replicas = int(strategy.num_replicas_in_sync)
-    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        local = len(strategy.extended.worker_devices)
-        return _Layout(num_workers=_runtime.workers_of(strategy), local_replicas=local,
-                       from_function=True)
-    return _Layout(num_workers=1, local_replicas=replicas, from_function=False)
-
-
-def _plan(source, layout: _Layout, per_replica: int, drop_remainder: bool) -> _Plan:
-    worker_batch = per_replica * layout.local_replicas
-    if layout.from_function:
-        batch, per_step = per_replica, layout.local_replicas
-    else:
-        batch, per_step = worker_batch, 1
-    sizes = source.shard_sizes(layout.num_workers, worker_batch)
-    if sizes is None:
-        return _Plan(worker_batch, batch, per_step, None, None, None)
-    if drop_remainder:
-        batches = [size // batch for size in sizes]
-        steps = min(count // per_step for count in batches)
-    else:
-        batches = [-(-size // batch) for size in sizes]
-        steps = max(-(-count // per_step) for count in batches)
-    if steps == 0:
-        raise ValueError(
-            f"The source has {sum(sizes)} examples, fewer than one global batch "
-            f"({worker_batch * layout.num_workers} = per_replica_batch_size {per_replica} x "
-            f"{layout.local_replicas * layout.num_workers} replicas), and "
-            "drop_remainder=True would leave no step. Lower `per_replica_batch_size` or "
-            "set drop_remainder=False."
-        )
-    return _Plan(worker_batch, batch, per_step, tuple(sizes), tuple(batches), steps)
 
 
 def _check_bool(name: str, value) -> bool:
@@ -154,7 +94,7 @@ def _empty_batch(element_spec):
     )
 
 
-def _worker_pipeline(source, plan: _Plan, layout: _Layout, worker_index: int,
+def _worker_pipeline(source, plan: Plan, layout: Layout, worker_index: int,
                      input_context, settings: _Settings):
     """This worker's dataset: shard -> [cache] -> shuffle -> map_fn -> batch -> equalise.
 
@@ -310,6 +250,30 @@ def distribute_dataset(
         >>> history = model.fit(data, epochs=2, verbose=0)
     """
     per_replica_batch_size = _check_int("per_replica_batch_size", per_replica_batch_size, 1)
+    settings = _checked_settings(shuffle, seed, shuffle_buffer, repeat, map_fn,
+                                 drop_remainder, cache)
+    source = _data_sources.make_source(source, feature_columns, label_columns)
+    explicit_strategy = strategy is not None
+    strategy = resolve_strategy(strategy)
+    layout = layout_of(strategy)
+    if not explicit_strategy and not layout.from_function:
+        _check_no_pending_cluster()
+    if settings.drop_remainder is None:
+        settings = dataclasses.replace(
+            settings, drop_remainder=settings.repeat and layout.num_workers > 1)
+    plan = plan_for(source, layout, per_replica_batch_size, settings.drop_remainder)
+    data, pass_cardinality = _distribute(strategy, source, plan, layout, settings)
+    steps = plan.steps
+    if steps is None and pass_cardinality is not None and pass_cardinality >= 0:
+        # One worker: one pass's cardinality is the steps, when tf.data knows it.
+        steps = pass_cardinality
+    data.steps_per_epoch = steps
+    return data
+
+
+def _checked_settings(shuffle, seed, shuffle_buffer, repeat, map_fn, drop_remainder,
+                      cache) -> _Settings:
+    """The pipeline settings, each argument checked (`drop_remainder` may stay None)."""
     seed = _check_int("seed", seed, 0)
     if shuffle_buffer is not None:
         shuffle_buffer = _check_int("shuffle_buffer", shuffle_buffer, 1)
@@ -322,20 +286,16 @@ def distribute_dataset(
             "Argument `map_fn` must be a function applied to each element, or None. "
             f"Received: map_fn={map_fn!r}"
         )
-    source = _data_sources.make_source(source, feature_columns, label_columns)
+    return _Settings(shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer,
+                     repeat=repeat, map_fn=map_fn, drop_remainder=drop_remainder,
+                     cache=cache)
+
+
+def _distribute(strategy, source, plan: Plan, layout: Layout, settings: _Settings):
+    """Hands each worker's pipeline to the strategy: (distributed data, one pass's
+    cardinality on one worker, or None)."""
     import tensorflow as tf
 
-    explicit_strategy = strategy is not None
-    strategy = resolve_strategy(strategy)
-    layout = _layout(strategy)
-    if not explicit_strategy and not layout.from_function:
-        _check_no_pending_cluster()
-    if drop_remainder is None:
-        drop_remainder = repeat and layout.num_workers > 1
-    plan = _plan(source, layout, per_replica_batch_size, drop_remainder)
-    settings = _Settings(shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer,
-                         repeat=repeat, map_fn=map_fn, drop_remainder=drop_remainder,
-                         cache=cache)
     if layout.from_function:
         def dataset_fn(input_context):
             if input_context.num_input_pipelines != layout.num_workers:
@@ -348,22 +308,14 @@ def distribute_dataset(
                                           settings)
             return dataset
 
-        data = strategy.distribute_datasets_from_function(dataset_fn)
-        pass_cardinality = None
-    else:
-        input_context = tf.distribute.InputContext(
-            num_input_pipelines=1, input_pipeline_id=0,
-            num_replicas_in_sync=strategy.num_replicas_in_sync,
-        )
-        dataset, pass_cardinality = _worker_pipeline(source, plan, layout, 0, input_context,
-                                                     settings)
-        data = strategy.experimental_distribute_dataset(dataset)
-    steps = plan.steps
-    if steps is None and pass_cardinality is not None and pass_cardinality >= 0:
-        # One worker: one pass's cardinality is the steps, when tf.data knows it.
-        steps = pass_cardinality
-    data.steps_per_epoch = steps
-    return data
+        return strategy.distribute_datasets_from_function(dataset_fn), None
+    input_context = tf.distribute.InputContext(
+        num_input_pipelines=1, input_pipeline_id=0,
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+    )
+    dataset, pass_cardinality = _worker_pipeline(source, plan, layout, 0, input_context,
+                                                 settings)
+    return strategy.experimental_distribute_dataset(dataset), pass_cardinality
 
 
 def steps_per_epoch(dataset) -> int | None:
