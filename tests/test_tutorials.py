@@ -90,12 +90,7 @@ COMPARABLE = {
 
 # Open bugs (issue 10 stays open on them); strict, so a fix turns these tests red until
 # the mark is removed.
-KNOWN_OPEN = {
-    ("two_workers", "save_and_load"): (
-        "issue 10 open: under 2 launched workers, tf.saved_model.load of the directory "
-        "model.export just replaced restores a variable of another shape (Shape "
-        "mismatch (3, 3, 1, 8) vs (1352, 16))"),
-}
+KNOWN_OPEN: dict = {}
 
 
 def _known_open(mode, name):
