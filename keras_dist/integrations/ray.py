@@ -5,15 +5,19 @@ callbacks already work unchanged in a `train_loop_per_worker`: Ray sets `TF_CONF
 each worker and keras_dist reads it. This module exists for three gaps of Ray 2.60 that
 users hit with Keras 3, each measured in `tests/test_ray.py`:
 
-* `ReportCheckpointCallback`: Ray's `ray.train.tensorflow.keras.ReportCheckpointCallback`
-  (and Ray's documented pattern) has every worker save into its own `tempfile.mkdtemp()`
-  directory. Under keras_dist's stock-writer protocol a non-chief save waits for the chief
-  to save *the same path*, which it never does (measured with Ray's documented example:
-  worker 1 waits). Ray also sets `TF_USE_LEGACY_KERAS=1` too late to matter (TensorFlow is
-  already imported in the worker; `tf.keras` there is Keras 3, measured), so a Keras 3
-  checkpoint name (`.weights.h5`) is needed. This callback saves with `chief_path()` (the
-  others write to a private path, no wait), every worker calls `ray.train.report` (Ray
-  Train V2 requires all to), and only the chief attaches the checkpoint.
+* `ReportCheckpointCallback`: in place of Ray's `ray.train.tensorflow.keras.
+  ReportCheckpointCallback` (a full `model.keras` from every worker, through
+  `TensorflowCheckpoint.from_model`, which Ray 2.60 marks deprecated). Ray sets
+  `TF_USE_LEGACY_KERAS=1` too late to matter (TensorFlow is already imported in the
+  worker; `tf.keras` there is Keras 3, measured), so checkpoints need Keras 3 names. This
+  callback saves the weights (`model.weights.h5`) with `chief_path()` (the others write
+  to a private path) and every worker reports a checkpoint directory (Ray Train requires
+  every worker to call `ray.train.report`); the others' directories are empty, so the
+  Ray checkpoint holds the chief's file only. Reporting from every worker, as Ray's own
+  callback does, matters under Ray Train V1 (`RAY_TRAIN_V2_ENABLED=0`): there each
+  worker numbers the checkpoints it reported itself, so a chief-only checkpoint followed
+  by any all-worker report (Ray's documented pattern) fails Ray's same-path assertion in
+  `DataParallelTrainer._propagate_results` (measured; V2 numbers them centrally).
 * `init_local`: Ray's `ray.init(_node_ip_address="127.0.0.1")` does not keep Ray on
   loopback: `resolve_ip_for_localhost` (`ray/_private/services.py`) replaces a loopback
   address with the machine's routable one, so `TF_CONFIG` names that address and
@@ -38,7 +42,6 @@ import keras
 
 from keras_dist._callback_base import Callback
 from keras_dist.checkpointing import chief_path
-from keras_dist.cluster import is_chief
 
 __all__ = ["ReportCheckpointCallback", "init_local", "restore_weights"]
 
@@ -134,13 +137,12 @@ class ReportCheckpointCallback(Callback):
         directory = tempfile.mkdtemp(prefix="keras_dist_ray_checkpoint_")
         try:
             # Every worker saves (reading distributed variables may need collectives);
-            # only the chief's directory becomes the Ray checkpoint. The directories
-            # differ per worker, so the others write to keras_dist's private path (a
-            # stock save to a path of their own would wait for the chief to save it).
+            # the others write to keras_dist's private path, so their directory stays
+            # empty. Every worker still reports its directory: Ray merges them into one
+            # checkpoint (the chief's file), and Train V1's per-worker checkpoint
+            # numbering stays in step for any later all-worker report.
             self.model.save_weights(chief_path(os.path.join(directory, WEIGHTS_FILE)))
-            checkpoint = (ray.train.Checkpoint.from_directory(directory)
-                          if is_chief() else None)
-            ray.train.report(report, checkpoint=checkpoint)
+            ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(directory))
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
