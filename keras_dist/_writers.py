@@ -14,8 +14,8 @@ stock writers), free of upstream internals:
   whatever directory), so a worker that saves into its own `tempfile.mkdtemp()` (Ray's
   documented pattern) pairs with the chief's save of its own directory, and one path
   shared by every worker pairs with itself.
-* The chief publishes "started: <its path>" for the pair before writing, then "done" (or
-  its error) in TensorFlow's coordination service; the others wait for both before
+* The chief publishes "started" (with its path) for the pair before writing, then "done"
+  (or its error) in TensorFlow's coordination service; the others wait for both before
   returning, so a load of the chief's file right after the save works on every worker.
   The chief never waits, so a script that saves on the chief only
   (`if is_chief(): model.save(p)`) still runs. A worker whose chief never makes the
@@ -216,6 +216,12 @@ def wait_for_chief(key: str, path: str) -> None:
     try:
         coordination.get_value(f"{key}/started", timeout)
     except Exception as error:
+        text = f"{type(error).__name__}: {error}"
+        if "deadline" not in text.lower() and "timed out" not in text.lower():
+            raise StockWriterError(
+                f"Worker {_runtime.worker_index()} saved {path!r} and could not hear from "
+                f"the chief about its paired save ({text})."
+            ) from None
         raise StockWriterError(
             f"Worker {_runtime.worker_index()} saved {path!r}, its save number {count} of a "
             f"file named {name!r}, but the chief made no save number {count} of a file "
