@@ -4,16 +4,17 @@ Three uses, each in the registry (`keras_dist.compat.registry`, group "parallel"
 
 * **Slot placement** (fix `pipeline_slot_placement`, probe-gated). Keras' TF optimizer
   creates every slot in `add_variable_from_reference` under
-  `strategy.extended.colocate_vars_with(reference)`; the default strategy honours that
-  only in graph mode, and optimizer slots are created eagerly, so every slot of a
-  pipeline landed on the first device (measured: Adam's slots for a stage on CPU:1 were
-  on CPU:0), defeating the split of optimizer memory across devices. `place_slots`
+  `strategy.extended.colocate_vars_with(reference)`. `fit` builds the optimizer inside
+  the first trace of its train function, where the slot variables are lifted out of the
+  graph and the colocation is lost, so every slot of a pipeline landed on the default
+  device (measured: Adam's slots for a stage on CPU:1 were on CPU:0; created eagerly
+  they land right), defeating the split of optimizer memory across devices. `place_slots`
   replaces `add_variable_from_reference` on the one optimizer instance a `PipelineModel`
   compiles with, creating each slot under `tf.device(<its variable's stage device>)`.
-  `probe()` checks the behaviour itself: a slot for a variable made on another device
-  lands there -> FIXED (nothing is replaced); it does not -> PRESENT; a single device
-  -> UNKNOWN (replaced anyway: harmless). `KERAS_DIST_DISABLE_COMPAT=pipeline_slot_placement`
-  turns it off.
+  `probe()` reads that method: PRESENT while it places slots only by colocation,
+  FIXED once it uses a device scope instead (nothing is replaced), UNKNOWN otherwise
+  (replaced anyway: harmless). `KERAS_DIST_DISABLE_COMPAT=pipeline_slot_placement`
+  turns it off; tests/test_parallel_pipeline.py shows the slots on one device then.
 * **`Trainer._compute_loss`**: Keras' own loss of a batch (compiled loss, sample weights,
   masks, its reduction, `model.losses`), as Keras' `train_step` computes it, also for a
   `compute_loss` override without the `training` argument.
@@ -24,14 +25,11 @@ from __future__ import annotations
 
 import os
 
-from keras_dist.compat import _patch, _probe
+from keras_dist.compat import _keras_tf, _patch, _probe
 
 NAME = "pipeline_slot_placement"
 _ATTRIBUTE = "add_variable_from_reference"
 _INSTALLED = "_keras_dist_slot_placement"
-
-_verdicts: dict[tuple[str, ...], str] = {}
-
 
 def _disabled() -> bool:
     value = os.environ.get("KERAS_DIST_DISABLE_COMPAT", "")
@@ -39,32 +37,17 @@ def _disabled() -> bool:
     return "all" in names or NAME in names
 
 
-def probe(devices=()) -> str:
-    """Does a slot for a variable on device D land on D without the fix? (see module doc)
+def probe() -> str:
+    """PRESENT while Keras' TF optimizer places slots only by `colocate_vars_with`.
 
-    Checked once per set of devices: one SGD-with-momentum slot per distinct device.
+    FIXED only when its `add_variable_from_reference` no longer colocates and places
+    the slot with a device scope; UNKNOWN when it changed otherwise (the fix applies).
     """
-    import keras
-    import tensorflow as tf
-
-    distinct = tuple(sorted(set(devices)))
-    if len(distinct) < 2:
-        return _probe.UNKNOWN
-    if distinct in _verdicts:
-        return _verdicts[distinct]
-    optimizer = keras.optimizers.SGD(momentum=0.9)
-    create = _patch.original(type(optimizer), _ATTRIBUTE)
-    verdict = _probe.FIXED
-    for device in distinct:
-        with tf.device(device):
-            variable = keras.Variable(tf.zeros((1,)), name="slot_placement_probe")
-        slot = create(optimizer, variable, name="probe")
-        if tf.DeviceSpec.from_string(slot.value.device) != tf.DeviceSpec.from_string(
-                variable.value.device):
-            verdict = _probe.PRESENT
-            break
-    _verdicts[distinct] = verdict
-    return verdict
+    optimizer = _keras_tf.tf_optimizer_class()
+    if optimizer is None:
+        return _probe.FIXED  # not the TensorFlow backend: no such code path
+    return _probe.verdict_from_source(_patch.original(optimizer, _ATTRIBUTE),
+                                      r"colocate_vars_with\(", required=r"\.device\(")
 
 
 def place_slots(optimizer, device_of: dict[int, str]) -> bool:
@@ -72,7 +55,7 @@ def place_slots(optimizer, device_of: dict[int, str]) -> bool:
     `device_of[id(variable)]`. Returns whether the replacement was installed."""
     import tensorflow as tf
 
-    if _disabled() or probe(device_of.values()) == _probe.FIXED:
+    if _disabled() or probe() == _probe.FIXED:
         return False
     for target in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if target is None or getattr(target, _INSTALLED, False):

@@ -346,9 +346,9 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "keras.Optimizer.add_variable_from_reference",
         "Replaced on a PipelineModel's optimizer instance by the pipeline_slot_placement "
-        "fix (probe: does a slot land on its variable's device?): creates each slot on "
-        "its stage's device; Keras' TF optimizer only colocates, which eager slot "
-        "creation ignores.",
+        "fix (probe: does it still only colocate?): creates each slot on "
+        "its stage's device; Keras' TF optimizer only colocates, which is lost when "
+        "`fit` creates the slots inside its traced train step.",
         ("parallel",), "`add_optimizer_variables` still creates slots through it",
         _code_mentions(_base_optimizer, "add_optimizer_variables",
                        r"self\.add_variable_from_reference\(")),
