@@ -18,11 +18,20 @@ handshake (one JSON line each way) with every chief/worker task of the cluster:
 * after `startup_timeout_seconds` (`KERAS_DIST_STARTUP_TIMEOUT`, default 600 s) the missing
   tasks are named, with their addresses and what to check;
 * SIGTERM/SIGINT end the wait at once, whatever handler was installed (TensorFlow's
-  preemption handler only records the signal): the wait is Python, with short timeouts.
+  preemption handler only records the signal): the wait is Python, with short timeouts;
+  SIGTERM exits with 128 + 15 without the interpreter's slow shutdown, SIGINT raises
+  KeyboardInterrupt;
+* before any wait, TensorFlow's certain "configured at program startup" error (an op ran
+  before `import keras_dist`, or the cluster changed after it) is raised, explained
+  (`keras_dist._early_init.check_startup`).
 
-When this process's own server already listens on the port (TensorFlow ran an op before
-`keras_dist.strategy()` under a multi-worker TF_CONFIG, which started the server and met
-the peers), there is nothing to do.
+Two callers: `keras_dist.strategy()`, and, when the script runs a TensorFlow op first (a
+dataset built before the strategy, as TensorFlow's tutorials do), that first op
+(`keras_dist._early_init` wraps the runtime's start once), with the same guarantees and
+the deadline from `KERAS_DIST_STARTUP_TIMEOUT`. The peers are met once per process.
+
+Once the server runs, `after_server_start()` keeps SIGTERM able to end a worker that is
+blocked in a collective whose peer is gone (see there).
 """
 
 from __future__ import annotations

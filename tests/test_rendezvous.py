@@ -100,7 +100,8 @@ def test_a_duplicate_task_index_fails_fast_on_both_processes(start):
         assert "Two processes were started as worker 0 (the same TF_CONFIG task index)" \
             in output
         assert f"pid {first.pid}" in output and f"pid {second.pid}" in output
-        assert seconds is not None and seconds < 30  # the first waited for the second's start
+        # The first waited for the second to start (an import of TensorFlow: slow when busy).
+        assert seconds is not None and seconds < 90
         print(f"duplicate index: pid {process.pid} failed {seconds} s after strategy()")
 
 
