@@ -230,20 +230,30 @@ def _predictions(params: int, compute_ms: float, engine, overhead_ms: float = 0.
 
 
 def run(mode: str, **options) -> dict:
-    from keras_dist.planning import Link, check_support, run_in_link
+    from keras_dist.planning import Link, LinkSimulatorError, check_support, run_in_link
 
     config = settings(mode, **options)
     links = [Link.parse(rate, workers=n) for n in config["link_workers"]
              for rate in [None] + config["link_rates"]]
     for link in links:
         check_support(link)  # a clear error before anything runs
-    groups = []
+    groups, failed = [], []
     for link in links:
         print(f"  link: {link.describe()} ...", flush=True)
-        outcome = run_in_link(_group, link, kwargs={"config": config, "workers": link.workers},
-                              timeout=2 * common.WORKER_TIMEOUT)
+        try:
+            outcome = run_in_link(_group, link,
+                                  kwargs={"config": config, "workers": link.workers},
+                                  timeout=2 * common.WORKER_TIMEOUT)
+        except (LinkSimulatorError, TimeoutError) as error:
+            # Keep the other groups' measurements; the failure is recorded and printed.
+            print(f"  link: {link.describe()} failed: {error}", flush=True)
+            failed.append({"link": link.describe(), "error": str(error)})
+            continue
         groups.append(_summarize_group(outcome, link))
+    if not any(g["rate_bps"] is None for g in groups):
+        raise RuntimeError(f"linksim: the unlimited-loopback group failed: {failed}")
     result = analyze(groups, config)
+    result["failed_groups"] = failed
     if config["write_engine"]:
         write_engine(result)
     return result
