@@ -102,7 +102,7 @@ def format_rate(bits_per_second: float | None) -> str:
         return "loopback"
     for unit, scale in (("Tbit", 1e12), ("Gbit", 1e9), ("Mbit", 1e6), ("kbit", 1e3)):
         if bits_per_second >= scale:
-            return f"{bits_per_second / scale:g} {unit}"
+            return f"{bits_per_second / scale:.3g} {unit}"
     return f"{bits_per_second:g} bit"
 
 
