@@ -18,8 +18,13 @@ process is untouched (TensorFlow is not even imported), and the runtime is never
 initialised here, so `keras_dist.virtual_devices()` still works after `import keras_dist`.
 A bad TF_CONFIG is left for `keras_dist.strategy()` to report.
 
-Every private TensorFlow symbol it uses is in `_configure_collectives` and
-`_server_def` (there is no public API for any of this).
+The first op then starts the server; `_meet_peers_before_the_first_op` makes it meet the
+peers first (`keras_dist._rendezvous`: a deadline, missing workers named, SIGTERM honoured),
+and `check_startup` (called by the rendezvous) raises TensorFlow's certain "configured at
+program startup" error, explained, before any wait.
+
+Every private TensorFlow symbol it uses is in `_configure_collectives`, `_server_def` and
+`_meet_peers_before_the_first_op` (there is no public API for any of this).
 """
 
 from __future__ import annotations
