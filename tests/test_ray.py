@@ -36,7 +36,7 @@ ray = pytest.importorskip("ray")
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.tensorflow import TensorflowTrainer  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 # Two training workers share the 2 logical CPUs with Ray Train's and Ray Data's actors.
 _SCALING = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5})
@@ -232,7 +232,9 @@ def ray_cluster():
 
     # Workers cannot import this test module by name: ship its functions by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    kd_ray.init_local(num_cpus=2)
+    # Logical CPUs: the V1 and V2 runs overlap (4 training workers at 0.5 CPU) and Ray
+    # Data's tasks need CPUs left over; Ray does not pin them to cores.
+    kd_ray.init_local(num_cpus=4)
     yield
     ray.shutdown()
 
@@ -244,7 +246,8 @@ def _load(out):
 
 
 @pytest.fixture(scope="module")
-def v2_run(ray_cluster, tmp_path_factory):
+def v2_run(ray_cluster, v1_driver, tmp_path_factory):
+    # The V1 driver (started first) runs meanwhile: their waits overlap.
     assert _api() == "v2", "Ray 2.60's default Ray Train API is V2"
     out = tmp_path_factory.mktemp("v2")
     _run(str(out), os.getpid(), kill=True)
@@ -252,17 +255,28 @@ def v2_run(ray_cluster, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def v1_run(ray_cluster, tmp_path_factory):
+def v1_driver(ray_cluster, tmp_path_factory):
+    """Starts the V1 run in a driver subprocess; `v1_run` waits for it."""
     out = tmp_path_factory.mktemp("v1")
     gcs = ray.get_runtime_context().gcs_address
     assert gcs.startswith("127.0.0.1:"), gcs
     # Ray picks the Ray Train API when `ray.train` is imported: V1 needs a driver of its
     # own, and workers of its own (the job's env_vars reach every actor of the job).
     env = dict(os.environ, RAY_TRAIN_V2_ENABLED="0")
-    completed = subprocess.run(
-        [sys.executable, __file__, str(out), gcs, str(os.getpid())], env=env,
-        capture_output=True, text=True, timeout=540)
-    assert completed.returncode == 0, completed.stderr[-4000:]
+    with open(out / "driver.log", "w") as log:
+        process = subprocess.Popen([sys.executable, __file__, str(out), gcs, str(os.getpid())],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT)
+    yield out, process
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def v1_run(v1_driver):
+    out, process = v1_driver
+    returncode = process.wait(timeout=840)
+    assert returncode == 0, (out / "driver.log").read_text()[-4000:]
     return _load(out)
 
 
@@ -347,21 +361,20 @@ def _tensorflow_ports(worker):
     return {address.rsplit(":", 1)[1] for address in worker["tf_config"]["cluster"]["worker"]}
 
 
-def test_ray_processes_listen_and_talk_on_loopback_only(run):
-    _, _, workers = run
+def test_ray_processes_listen_and_talk_on_loopback_only(v2_run, v1_run):
+    workers = v2_run[2] + v1_run[2]
+    # TensorFlow's servers, of both runs: the xfail below; the rest is Ray's.
+    tf_ports = set().union(*map(_tensorflow_ports, workers))
     for worker in workers:
         # TensorFlow's collectives talk to the addresses in Ray's TF_CONFIG.
         assert all(address.startswith("127.0.0.1:")
                    for address in worker["tf_config"]["cluster"]["worker"]), worker
         # Measured during training: every socket of Ray's processes (GCS, raylet, actors).
-        ray_sockets = [a for a in worker["listening"]
-                       if a.rsplit(":", 1)[1] not in _tensorflow_ports(worker)]
+        ray_sockets = [a for a in worker["listening"] if a.rsplit(":", 1)[1] not in tf_ports]
         assert ray_sockets, "no listening socket found for the Ray cluster"
         outside = [a for a in ray_sockets if not a.startswith(_LOOPBACK)]
         assert not outside, f"Ray listening beyond loopback: {outside}"
-    # Now, after the run: TensorFlow's servers may outlive it a moment (Ray stops its
-    # workers asynchronously); those are the xfail below, the rest is Ray's.
-    tf_ports = set().union(*map(_tensorflow_ports, workers))
+    # Now, after the runs (Ray stops TensorFlow's servers asynchronously).
     outside = [a for a in _listening(os.getpid())
                if not a.startswith(_LOOPBACK) and a.rsplit(":", 1)[1] not in tf_ports]
     assert not outside, f"Ray listening beyond loopback: {outside}"
