@@ -17,8 +17,8 @@ run_in_link`; needs root or CAP_NET_ADMIN). Each group measures:
 Then the model (`keras_dist.planning`): `alpha` and `beta_engine` are fitted on the
 unlimited loopback; each link adds `8 / rate` per byte. The prediction for each link,
 `t = 2(N-1) alpha + 2(N-1)/N B (beta_engine + 8/rate)` and `step = compute + t`
-(nothing overlapped today, no per-step overhead), is compared with what the group measured there: the
-relative errors are the validation. The fitted engine goes to
+(nothing overlapped today, no per-step overhead), is compared with what the group measured
+there: the relative errors are the validation. The fitted engine goes to
 `keras_dist/planning/measured_engine.json` (`keras-dist plan --engine measured`), the
 predictions for N = 2..256 at 1/10/25/100 Gbit (fp32, bf16, accumulation 4; measured and
 ideal engine) into the results, and the plot `scaling_model.png` next to the JSON.
@@ -382,7 +382,8 @@ def report(result: dict) -> None:
         "validation: model (step = compute + all-reduce; engine fitted on loopback + 8/rate) "
         "vs measured behind the link",
         ["workers", "link", "compute ms", "overhead ms", "overlap", "step measured",
-         "step predicted", "step error", "error with loopback overhead", "all-reduce error (largest)",
+         "step predicted", "step error", "error with loopback overhead",
+         "all-reduce error (largest)",
          "max all-reduce error"],
         [(v["workers"], format_rate(v["rate_bps"]), v["compute_ms"], v["overhead_ms"],
           v["overlap"], v["step_measured_ms"],
@@ -401,7 +402,8 @@ def report(result: dict) -> None:
     common.print_table(
         f"predicted scaling efficiency ({result['model_params']:,}-param MLP, "
         f"{result['model_compute_ms']:.0f} ms compute per worker step, overhead "
-        f"{result.get('model_overhead_ms', 0):.1f} ms, overlap {result.get('model_overlap', 0):.2f})",
+        f"{result.get('model_overhead_ms', 0):.1f} ms, "
+        f"overlap {result.get('model_overlap', 0):.2f})",
         ["engine/variant", "workers"] + columns, table)
 
 
