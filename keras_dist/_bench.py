@@ -16,6 +16,11 @@ traffic each link carries in a ring, comparable across worker counts), with `byt
 the size of the tensor actually all-reduced (half for bf16). `speedup` is the time of
 plain fp32 over the path's time for the same number of float32 values.
 
+With `--link-rate 10gbit` (`linked_sweep(..., link=planning.Link(...))`) the workers run
+behind the link simulator (`keras_dist.planning.run_in_link`: a private network namespace
+whose loopback is rate-limited with tc); the raw TCP rate of the link is measured first and
+"achieved vs set" is printed after the table.
+
 Each measurement chains `inner` all-reduces in one traced function (so Python dispatch
 is amortised) and calls it `outer` times; both counts depend only on the size, so every
 worker issues the same collectives in the same order.
