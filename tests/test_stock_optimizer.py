@@ -9,10 +9,15 @@ there and on one device (same global batch) and return the weights; the tests co
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from keras_dist.testing import run_in_subprocess, run_on_workers
+
+# The fixtures train every case before the first test that uses them returns.
+pytestmark = pytest.mark.timeout(900)
 
 GLOBAL_BATCH = 16
 EXAMPLES = 64
@@ -190,9 +195,42 @@ def _four_devices():
     return out
 
 
+class _Background(threading.Thread):
+    """Runs the 2-worker launch while this process waits on the 4-device subprocess."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.result = self.error = None
+
+    def run(self):
+        try:
+            self.result = run_on_workers(_on_each_worker, num_workers=2, timeout=600)
+        except BaseException as error:  # re-raised in the test that needs it
+            self.error = error
+
+
 @pytest.fixture(scope="module")
-def four_devices():
-    return run_in_subprocess(_four_devices, virtual_devices=4, timeout=400)
+def _launch(request):
+    """The worker launch, started first (if a selected test uses it) so that its two
+    processes and the 4-device subprocess share the machine instead of taking turns."""
+    if not any("two_workers" in item.fixturenames for item in request.session.items):
+        return None
+    launch = _Background()
+    launch.start()
+    return launch
+
+
+@pytest.fixture(scope="module")
+def four_devices(_launch):
+    return run_in_subprocess(_four_devices, virtual_devices=4, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def two_workers(_launch):
+    _launch.join()
+    if _launch.error is not None:
+        raise _launch.error
+    return _launch.result
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -242,8 +280,8 @@ def _on_each_worker():
 
 
 @pytest.mark.multiworker
-def test_two_workers_equal_one_device():
-    workers = run_on_workers(_on_each_worker, num_workers=2, timeout=400)
+def test_two_workers_equal_one_device(two_workers):
+    workers = two_workers
     references = workers[0]["references"]
     for worker in workers:
         assert worker["replicas"] == 2
