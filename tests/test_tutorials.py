@@ -13,14 +13,13 @@ script's docstring lists its changes). Every tutorial runs in three modes:
 * `two_workers`: `keras-dist launch --workers 2` (MultiWorkerMirroredStrategy).
 
 All tutorials of a mode run in one process (one worker group), through
-tests/tutorials/run_tutorials.py, and the three modes run at the same time. Per tutorial
-and mode the tests check: it ran; the losses fall; launched workers end with identical
-weights and results; the files left are those of one process (stock writers called from
-every worker must not collide or leave temporary files); and weights, losses and metrics
-equal the one-device run (1e-5) where the tutorial's arithmetic makes them equal.
+tests/tutorials/run_tutorials.py. Per tutorial and mode the tests check: it ran; the
+losses fall; launched workers end with identical weights and results; the files left are
+those of one process (stock writers called from every worker must not collide or leave
+temporary files); and weights, losses and metrics equal the one-device run (1e-5) where
+the tutorial's arithmetic makes them equal.
 """
 
-import concurrent.futures
 import io
 import json
 import os
@@ -37,8 +36,8 @@ from keras_dist.testing import WorkerError, run_in_subprocess
 TUTORIALS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tutorials")
 DRIVER = os.path.join(TUTORIALS_DIR, "run_tutorials.py")
 MULTIPLIER_ENV = "KERAS_DIST_TUTORIAL_BATCH_MULTIPLIER"
-# The driver's watchdog: a tutorial running longer is a hang (each takes ~5-30 s alone,
-# up to 2x that with the three modes running at once on 2 cores).
+# The driver's watchdog: a tutorial running longer is a hang (each takes ~5-30 s alone;
+# on a shared, loaded 2-core machine two_devices' custom_training took up to ~130 s).
 HANG_TIMEOUT_ENV = ("KERAS_DIST_TUTORIAL_TIMEOUT", "150")
 TUTORIALS = [
     "keras_tutorial",
@@ -49,7 +48,7 @@ TUTORIALS = [
     "distributed_training_guide",
     "keras_io_guide",
 ]
-MODE_TIMEOUT = 540  # seconds for all tutorials of one mode; measured: ~60-150 s alone
+MODE_TIMEOUT = 540  # seconds for all tutorials of one mode; measured: ~60-150 s idle
 TOLERANCE = 1e-5
 
 # Loss series that must fall (last < first) in every mode.
@@ -221,53 +220,17 @@ def _run_mode(mode, out_dir):
     return collected
 
 
-# The modes each test reads (the numeric and file checks also read the reference).
-_TEST_MODES = {
-    "test_one_device": ("one_device",),
-    "test_two_virtual_devices": ("two_devices",),
-    "test_two_launched_workers": ("two_workers",),
-}
-
-
-def _modes_needed(items):
-    """The modes the selected tests of this module read, in the order they first do."""
-    modes = []
-    for item in items:
-        if item.module is not sys.modules[__name__]:
-            continue
-        needed = _TEST_MODES.get(item.originalname)
-        if needed is None:  # test_leaves_the_files_..., test_numerics_...
-            callspec = getattr(item, "callspec", None)
-            needed = ("one_device", callspec.params["mode"]) if callspec else ()
-        modes += [mode for mode in needed if mode not in modes]
-    return modes
-
-
 @pytest.fixture(scope="module")
-def mode_runs(request, tmp_path_factory):
-    """Runs each mode once and keeps its results for all tests.
-
-    On first use it starts every mode the selected tests need, all at once: each mode is
-    one process (two for the launched workers) that mostly runs one Python thread or waits
-    for its peer, so on 2 cores running them side by side saves most of the time of the
-    shorter ones. A mode no selected test reads is not run.
-    """
-    futures = {}
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(_TEST_MODES))
-
-    def start(mode):
-        if mode not in futures:
-            futures[mode] = pool.submit(_run_mode, mode, str(tmp_path_factory.mktemp(mode)))
+def mode_runs(tmp_path_factory):
+    """Runs each mode once, on first use, and keeps its results for all tests."""
+    runs = {}
 
     def get(mode):
-        if not futures:
-            for needed in _modes_needed(request.session.items):
-                start(needed)
-        start(mode)
-        return futures[mode].result()
+        if mode not in runs:
+            runs[mode] = _run_mode(mode, str(tmp_path_factory.mktemp(mode)))
+        return runs[mode]
 
-    yield get
-    pool.shutdown(wait=True)
+    return get
 
 
 def _succeeded(mode_runs, mode, name):
