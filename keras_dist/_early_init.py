@@ -77,14 +77,33 @@ def configure_collectives_at_import() -> EarlyInitState:
         _configure_collectives(cluster)
     except RuntimeError:
         state = EarlyInitState(cluster=cluster, too_late=True)
-    except (ValueError, ImportError, AttributeError, TypeError):
-        # Already configured differently by the user, or a TensorFlow without these
-        # internals: leave TensorFlow's own behaviour in place.
+    except ValueError:
+        # Already configured differently by the user: TensorFlow's own behaviour stays.
+        state = EarlyInitState(cluster=cluster)
+    except (ImportError, AttributeError, TypeError):
+        # A TensorFlow without these internals: its own behaviour stays, said once.
+        _warn_internals_changed()
         state = EarlyInitState(cluster=cluster)
     else:
         state = EarlyInitState(cluster=cluster, configured=True)
         _meet_peers_before_the_first_op(cluster)
     return state
+
+
+def _warn_internals_changed() -> None:
+    """Names the changed TensorFlow internals (compat registry group "startup")."""
+    import warnings
+
+    from keras_dist.compat import registry
+
+    found = registry.problems(groups=["startup"])
+    details = "; ".join(f"{name}: {problem}" for name, problem in found.items())
+    warnings.warn(
+        "keras_dist could not prepare TensorFlow's collectives at import (TensorFlow "
+        f"internals changed: {details or 'see keras_dist.compat.registry'}); datasets "
+        "or tensors made before keras_dist.strategy() will fail under this multi-worker "
+        "job, and the start-up deadline covers strategy() only.", RuntimeWarning,
+        stacklevel=3)
 
 
 def check_startup(cluster: ClusterConfig) -> None:

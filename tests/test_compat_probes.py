@@ -9,6 +9,7 @@ disappears must be a clear CompatError naming it and the Keras version.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import textwrap
 import warnings
@@ -227,3 +228,28 @@ def test_patch_remembers_upstream_once():
     assert Owner().method() == "second"
     assert _patch.revert("t") == ["Owner.method"]
     assert Owner().method() == "upstream"
+
+
+def test_a_changed_startup_internal_is_named_at_import_under_a_multi_worker_job():
+    """_early_init's TensorFlow internals are registered; a missing one is named."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import warnings\n"
+        "from tensorflow.python.eager import context\n"
+        "del context.Context.configure_collective_ops\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import keras_dist\n"
+        "print([str(w.message) for w in caught if 'could not prepare' in str(w.message)])\n"
+    )
+    tf_config = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                 "task": {"type": "worker", "index": 0}}
+    env = dict(os.environ, TF_CONFIG=json.dumps(tf_config), TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tf.context.configure_collective_ops" in done.stdout, done.stdout
+    assert registry.problems(groups=["startup"]) == {}

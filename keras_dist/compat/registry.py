@@ -240,6 +240,49 @@ _WRITER_INTERNALS = (
         _attribute(_tf_context_class, "get_config_key_value")),
 )
 
+# Start-up under a multi-worker TF_CONFIG / Slurm job (keras_dist._early_init): the
+# settings MultiWorkerMirroredStrategy applies, applied at `import keras_dist` so ops made
+# before `strategy()` work, and the first op meeting the peers with a deadline.
+_STARTUP_INTERNALS = (
+    Internal(
+        "tf.context.configure_collective_ops",
+        "Set at import: collective leader, scoped allocator, device filters (as MWMS).",
+        ("startup",), "attribute lookup on tensorflow.python.eager.context.Context",
+        _attribute(_tf_context_class, "configure_collective_ops")),
+    Internal(
+        "tf.context.configure_coordination_service",
+        "Set at import: the coordination service MWMS configures (dead peers -> errors).",
+        ("startup",), "attribute lookup on tensorflow.python.eager.context.Context",
+        _attribute(_tf_context_class, "configure_coordination_service")),
+    Internal(
+        "tf.context.enable_collective_ops",
+        "Records this task's ServerDef at import; the first op starts the server.",
+        ("startup",), "attribute lookup on tensorflow.python.eager.context.Context",
+        _attribute(_tf_context_class, "enable_collective_ops")),
+    Internal(
+        "tf.context.ensure_initialized",
+        "Wrapped once: the first op meets the peers (deadline, missing workers named, "
+        "SIGTERM honoured) before TensorFlow starts the server; then restored.",
+        ("startup",), "attribute lookup on tensorflow.python.eager.context.Context",
+        _attribute(_tf_context_class, "ensure_initialized")),
+    Internal(
+        "tf.multi_worker_util.collective_leader / coordination_leader",
+        "The leaders MWMS computes, so the values set at import are TensorFlow's own.",
+        ("startup",), "attribute lookups on tensorflow.python.distribute.multi_worker_util",
+        _all(_attribute(_keras_module("tensorflow.python.distribute.multi_worker_util"),
+                        "collective_leader"),
+             _attribute(_keras_module("tensorflow.python.distribute.multi_worker_util"),
+                        "coordination_leader"))),
+    Internal(
+        "tsl coordination_config_pb2.CoordinatedJob",
+        "The coordinated jobs (chief, worker) of the coordination service set at import.",
+        ("startup",), "attribute lookup on tensorflow.compiler.xla.tsl.protobuf."
+        "coordination_config_pb2",
+        _attribute(_keras_module(
+            "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2"),
+            "CoordinatedJob")),
+)
+
 INTERNALS: tuple[Internal, ...] = (
     Internal(
         "keras.TFTrainer._maybe_symbolic_build",
@@ -373,6 +416,7 @@ INTERNALS: tuple[Internal, ...] = (
         ("data",), "class names looked up in tf.data's op modules",
         _tf_data_classes),
     *_WRITER_INTERNALS,
+    *_STARTUP_INTERNALS,
 )
 
 _BY_NAME = {internal.name: internal for internal in INTERNALS}
