@@ -49,7 +49,7 @@ def measure(config: dict, variant: str) -> dict:
     import tensorflow as tf
 
     import keras_dist
-    from keras_dist import _accumulation
+    from keras_dist.aggregation import accumulation as _accumulation
 
     process = psutil.Process()
     strategy = keras_dist.strategy()

@@ -63,7 +63,7 @@ def _step_function(strategy, path: str, inner: int, options):
     """A tf.function running `inner` chained all-reduces of one list of tensors."""
     import tensorflow as tf
 
-    from keras_dist import _aggregation_ops as gops
+    from keras_dist.aggregation import ops as gops
 
     def replica_fn(*tensors):
         context = tf.distribute.get_replica_context()

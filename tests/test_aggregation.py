@@ -159,7 +159,7 @@ def mirrored():
 def test_global_norm_and_clip_match_numpy():
     import tensorflow as tf
 
-    from keras_dist import _aggregation_ops as ops
+    from keras_dist.aggregation import ops
 
     grads = [tf.constant([3.0, 4.0]), None, tf.constant([[12.0]])]
     norm = ops.global_norm(grads)
@@ -177,7 +177,7 @@ def test_global_norm_and_clip_match_numpy():
 def test_compress_round_trip_and_groups():
     import tensorflow as tf
 
-    from keras_dist import _aggregation_ops as ops
+    from keras_dist.aggregation import ops
 
     grads = [tf.constant([1.0 + 2**-12], tf.float32), tf.constant([1.0], tf.float16),
              tf.constant([0.5], tf.float64)]

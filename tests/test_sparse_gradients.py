@@ -354,7 +354,7 @@ def _cases():
 def test_sparse_bf16_values_round_trip_through_a_gatherable_carrier():
     import tensorflow as tf
 
-    from keras_dist import _aggregation_ops as ops
+    from keras_dist.aggregation import ops
 
     values = tf.constant([[1.0 + 2**-12, -3.5e10], [1e-30, 2.0]])
     grads = [tf.IndexedSlices(values, tf.constant([3, 3]), tf.constant([5, 2]))]
@@ -372,7 +372,7 @@ def test_sparse_bf16_values_round_trip_through_a_gatherable_carrier():
 def test_sparse_gradients_are_all_reduced_densely_once_that_moves_less_data():
     import tensorflow as tf
 
-    from keras_dist import _aggregation_ops as ops
+    from keras_dist.aggregation import ops
 
     def slices(rows):
         return tf.IndexedSlices(tf.ones((rows, 2)), tf.zeros(rows, tf.int32),
@@ -387,7 +387,7 @@ def test_sparse_gradients_are_all_reduced_densely_once_that_moves_less_data():
 def test_sparse_and_dense_accumulation_agree_and_bad_inputs_are_rejected():
     import tensorflow as tf
 
-    from keras_dist import _accumulation
+    from keras_dist.aggregation import accumulation as _accumulation
 
     slices = tf.IndexedSlices(tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]),
                               tf.constant([2, 0, 2]), tf.constant([4, 2]))

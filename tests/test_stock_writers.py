@@ -58,7 +58,7 @@ def _every_writer(root):
     import tensorflow as tf
 
     import keras_dist
-    from keras_dist import _writers
+    from keras_dist.checkpointing import stock_writers as _writers
     from keras_dist.compat import _patch
 
     strategy = keras_dist.strategy()
@@ -251,7 +251,7 @@ def test_one_process_writes_in_place(tmp_path):
 
 @pytest.mark.parametrize("switch", ["0"])
 def test_opt_out_switch_is_read(monkeypatch, switch):
-    from keras_dist import _writers
+    from keras_dist.checkpointing import stock_writers as _writers
 
     monkeypatch.setenv(_writers.ENV_SWITCH, switch)
     assert not _writers.active()

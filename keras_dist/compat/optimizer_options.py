@@ -147,7 +147,7 @@ def _accumulate_or_update(optimizer, grads, trainable_variables) -> None:
     """Keras' accumulation step, with the decision taken in cross-replica context."""
     import tensorflow as tf
 
-    from keras_dist import _aggregation_ops
+    from keras_dist.aggregation import ops as _aggregation_ops
 
     steps = optimizer.gradient_accumulation_steps
     is_update_step = tf.equal((optimizer._iterations + 1) % steps, 0)
@@ -172,7 +172,7 @@ def _moving_average(optimizer) -> None:
     """Upstream's EMA tail (every micro-step), its overwrite decided cross-replica."""
     import tensorflow as tf
 
-    from keras_dist import _aggregation_ops
+    from keras_dist.aggregation import ops as _aggregation_ops
 
     if not optimizer.use_ema:
         return

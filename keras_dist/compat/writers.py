@@ -7,7 +7,7 @@ every worker runs the same script, so on a shared filesystem `model.save`,
 `BackupAndRestore` (`FileExistsError`), `tf.train.Checkpoint.save`/`write` and
 `tf.saved_model.save`/`model.export` ("MergeV2Checkpoints ... did not exist") collide.
 
-The patches route each writer through `keras_dist._writers.write` (the protocol: the
+The patches route each writer through `keras_dist.checkpointing.stock_writers.write` (the protocol: the
 chief writes atomically to the real path, the others to removed temporaries, everyone
 returns once the chief's file is complete). They act only while a multi-worker strategy
 made by `keras_dist.strategy()` exists and `KERAS_DIST_STOCK_WRITERS` is not `0`;
@@ -21,7 +21,7 @@ import os
 import re
 import sys
 
-from keras_dist import _writers
+from keras_dist.checkpointing import stock_writers as _writers
 from keras_dist.compat import _patch, _probe
 from keras_dist.compat._fix import Fix
 

@@ -61,12 +61,12 @@ The pipeline, in this fixed order (optax-style):
 
 **Sparse gradients** (`tf.IndexedSlices`, from embedding lookups) go through every
 stage: accumulation scatter-adds their rows into the dense accumulator (no table-sized
-temporary; `keras_dist._accumulation`), so after accumulation they are dense; without
+temporary; `keras_dist.aggregation.accumulation`), so after accumulation they are dense; without
 accumulation they stay sparse and the all-reduce gathers their rows, unless the
 replicas together hold at least as many rows as the table: then a dense all-reduce
-moves less (`_aggregation_ops.densify_if_smaller`). With "bf16" their
+moves less (`aggregation.ops.densify_if_smaller`). With "bf16" their
 values travel as bf16 bits in a float16 carrier, because the gather collective of
-MultiWorkerMirroredStrategy has no bfloat16 type (`_aggregation_ops.compress`). The
+MultiWorkerMirroredStrategy has no bfloat16 type (`aggregation.ops.compress`). The
 norm sums rows that share an index first, i.e. it is the dense gradient's norm (Keras'
 own `global_clipnorm` squares the rows as they come and over-counts repeated tokens).
 
@@ -78,9 +78,9 @@ tests and benchmarks can check "once per k steps".
 
 from __future__ import annotations
 
-from keras_dist import _accumulation as accumulation
-from keras_dist import _aggregation_ops as gops
-from keras_dist._aggregation_config import AggregationConfig
+from keras_dist.aggregation import accumulation
+from keras_dist.aggregation import ops as gops
+from keras_dist.aggregation.config import AggregationConfig
 
 __all__ = [
     "AggregationConfig",
