@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from keras_dist._communication import CommunicationSettings
+
 _KINDS = ("auto", "mirrored", "multi_worker", "one_device")
-_IMPLEMENTATIONS = ("auto", "ring", "nccl")
 
 
 def _validate(kind, devices, implementation, bytes_per_pack, timeout_seconds,
@@ -19,27 +20,7 @@ def _validate(kind, devices, implementation, bytes_per_pack, timeout_seconds,
         raise ValueError(
             f"Argument `kind` must be one of {list(_KINDS)}. Received: kind={kind!r}"
         )
-    if implementation not in _IMPLEMENTATIONS:
-        raise ValueError(
-            f"Argument `implementation` must be one of {list(_IMPLEMENTATIONS)}. "
-            f"Received: implementation={implementation!r}"
-        )
-    if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or (
-        bytes_per_pack < 0
-    ):
-        raise ValueError(
-            "Argument `bytes_per_pack` must be an integer >= 0 (0 lets TensorFlow choose). "
-            f"Received: bytes_per_pack={bytes_per_pack!r}"
-        )
-    if timeout_seconds is not None and (
-        isinstance(timeout_seconds, bool)
-        or not isinstance(timeout_seconds, (int, float))
-        or not timeout_seconds > 0
-    ):
-        raise ValueError(
-            "Argument `timeout_seconds` must be a positive number of seconds or None. "
-            f"Received: timeout_seconds={timeout_seconds!r}"
-        )
+    CommunicationSettings(implementation, bytes_per_pack, timeout_seconds)
     if devices is not None:
         if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices:
             raise ValueError(

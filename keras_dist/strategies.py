@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from keras_dist import _rendezvous, _runtime
+from keras_dist._communication import communication_options  # noqa: F401 (old path)
 from keras_dist._strategy_args import (
     _normalized_implementation,
     _second_multi_worker_message,
@@ -31,20 +32,6 @@ from keras_dist._strategy_args import (
 from keras_dist.cluster import ClusterConfig
 
 __all__ = ["strategy", "resolve_strategy"]
-
-
-def communication_options(implementation="auto", bytes_per_pack=0, timeout_seconds=None):
-    """Builds `tf.distribute.experimental.CommunicationOptions` from keras_dist's args."""
-    import tensorflow as tf
-
-    impl = {
-        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
-        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
-    }[implementation]
-    return tf.distribute.experimental.CommunicationOptions(
-        bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds, implementation=impl
-    )
 
 
 def strategy(

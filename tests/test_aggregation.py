@@ -278,3 +278,21 @@ def test_fp16_overflow_falls_back_to_float32(mirrored):
 def test_gradient_norm_is_the_single_device_norm(mirrored):
     assert mirrored["norm_2_first_step"] == pytest.approx(mirrored["norm_by_hand"], rel=1e-5)
     assert mirrored["norm_2_epoch"][0] > 0
+
+
+def test_strategy_and_aggregation_share_one_communication_options_object():
+    """One check and one conversion for implementation/bytes_per_pack/timeout_seconds."""
+    import keras_dist
+    from keras_dist._communication import CommunicationSettings
+
+    config = AggregationConfig(bytes_per_pack=1 << 20, timeout_seconds=30,
+                               implementation="ring")
+    assert config.communication == CommunicationSettings("ring", 1 << 20, 30)
+    options = config.communication.to_tf()
+    assert (options.bytes_per_pack, options.timeout_seconds) == (1 << 20, 30)
+    for bad in ({"bytes_per_pack": -1}, {"timeout_seconds": 0}, {"implementation": "mpi"}):
+        with pytest.raises(ValueError) as from_config:
+            AggregationConfig(**bad)
+        with pytest.raises(ValueError) as from_strategy:
+            keras_dist.strategy(**bad)
+        assert str(from_config.value) == str(from_strategy.value)

@@ -154,14 +154,10 @@ class GradientAggregator:
     def __init__(self, optimizer, config: AggregationConfig, strategy):
         import tensorflow as tf
 
-        from keras_dist.strategy import communication_options
-
         self.optimizer = optimizer
         self.config = config
         self.strategy = strategy
-        self._options = communication_options(
-            config.implementation, config.bytes_per_pack, config.timeout_seconds
-        )
+        self._options = config.communication.to_tf()
         with strategy.scope():
             self._gradient_norm = gops.local_variable(0.0, tf.float32, "gradient_norm")
             self._norm_sum = gops.local_variable(0.0, tf.float32, "gradient_norm_sum")

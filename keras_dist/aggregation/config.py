@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from keras_dist import _validation
+from keras_dist._communication import CommunicationSettings
 from keras_dist.aggregation import ops as gops
 
 __all__ = ["AggregationConfig"]
-
-_IMPLEMENTATIONS = ("auto", "ring", "nccl")
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +40,7 @@ class AggregationConfig:
     implementation: str = "auto"
 
     def __post_init__(self):
-        if self.clipnorm is not None and not (_is_number(self.clipnorm) and self.clipnorm > 0):
+        if self.clipnorm is not None and not (_validation.is_number(self.clipnorm) and self.clipnorm > 0):
             raise ValueError(
                 "Argument `clipnorm` must be a number > 0 or None. "
                 f"Received: clipnorm={self.clipnorm!r}"
@@ -60,20 +56,10 @@ class AggregationConfig:
                 "Argument `accumulation_steps` must be an integer >= 1. "
                 f"Received: accumulation_steps={steps!r}"
             )
-        pack = self.bytes_per_pack
-        if isinstance(pack, bool) or not isinstance(pack, int) or pack < 0:
-            raise ValueError(
-                "Argument `bytes_per_pack` must be an integer >= 0 (0 lets TensorFlow "
-                f"choose). Received: bytes_per_pack={pack!r}"
-            )
-        timeout = self.timeout_seconds
-        if timeout is not None and not (_is_number(timeout) and timeout > 0):
-            raise ValueError(
-                "Argument `timeout_seconds` must be a positive number of seconds or None. "
-                f"Received: timeout_seconds={timeout!r}"
-            )
-        if self.implementation not in _IMPLEMENTATIONS:
-            raise ValueError(
-                f"Argument `implementation` must be one of {list(_IMPLEMENTATIONS)}. "
-                f"Received: implementation={self.implementation!r}"
-            )
+        self.communication  # the checks shared with keras_dist.strategy()
+
+    @property
+    def communication(self) -> CommunicationSettings:
+        """The all-reduce settings, the same object `keras_dist.strategy()` checks."""
+        return CommunicationSettings(self.implementation, self.bytes_per_pack,
+                                     self.timeout_seconds)
