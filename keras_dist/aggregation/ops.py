@@ -78,11 +78,6 @@ def _scaled(grad, scale):
     return grad * tf.cast(scale, grad.dtype)
 
 
-def scale(grads: Sequence, factor) -> list:
-    """Multiplies every gradient by `factor` (cast to each gradient's dtype)."""
-    return [_scaled(grad, factor) for grad in grads]
-
-
 def _cast(grad, dtype):
     tf = _tf()
     if grad is None:
