@@ -10,12 +10,13 @@ values and assert in the test process.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Mapping, Sequence
 
 from keras_dist.launching._core import WorkerError, run_function
 from keras_dist.launching.local import Options
 
-__all__ = ["WorkerError", "run_in_subprocess", "run_on_workers"]
+__all__ = ["Running", "WorkerError", "run_in_subprocess", "run_on_workers", "start_on_workers"]
 
 
 def run_on_workers(
@@ -106,3 +107,42 @@ def run_in_subprocess(
                             Options(env=env, timeout=timeout, set_tf_config=False),
                             virtual_devices)
     return value
+
+
+class Running:
+    """Workers started by `start_on_workers`; `result()` waits for them."""
+
+    def __init__(self, call: Callable[[], Any]):
+        self._value = self._error = None
+        self._thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self._thread.start()
+
+    def _run(self, call):
+        try:
+            self._value = call()
+        except BaseException as error:  # re-raised by result(), in the caller's thread
+            self._error = error
+
+    def result(self) -> Any:
+        """What `run_on_workers` would have returned (or raises what it would have)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def start_on_workers(fn: Callable[..., Any], num_workers: int = 2, **kwargs) -> Running:
+    """`run_on_workers` in the background: returns at once, `.result()` waits.
+
+    For a test module that needs a worker group and another subprocess (e.g. a
+    multi-device reference): start the workers first, run the other process, then take
+    the workers' results, so the processes share the machine instead of taking turns.
+    Arguments are those of `run_on_workers`.
+
+    Example:
+        >>> running = start_on_workers(task_index, num_workers=2)  # doctest: +SKIP
+        >>> reference = run_in_subprocess(replicas, virtual_devices=2)  # doctest: +SKIP
+        >>> running.result()  # doctest: +SKIP
+        [0, 1]
+    """
+    return Running(lambda: run_on_workers(fn, num_workers, **kwargs))

@@ -17,12 +17,11 @@ that the replicas/workers still hold identical weights.
 """
 
 import os
-import threading
 
 import numpy as np
 import pytest
 
-from keras_dist.testing import run_in_subprocess, run_on_workers
+from keras_dist.testing import run_in_subprocess, start_on_workers
 
 # The matrix fixtures train every case before the first test that uses them returns.
 pytestmark = pytest.mark.timeout(1200)
@@ -267,29 +266,13 @@ def _on_each_worker():
     return out
 
 
-class _Background(threading.Thread):
-    """Runs the 2-worker launch while this process waits on the 2-device subprocess."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.result = self.error = None
-
-    def run(self):
-        try:
-            self.result = run_on_workers(_on_each_worker, num_workers=2, timeout=900)
-        except BaseException as error:  # re-raised in the test that needs it
-            self.error = error
-
-
 @pytest.fixture(scope="module")
 def _launch(request):
     """The worker launch, started first (if any selected test uses it) so that its two
     processes and the 2-device subprocess share the machine instead of taking turns."""
     if not any("workers" in item.fixturenames for item in request.session.items):
         return None
-    launch = _Background()
-    launch.start()
-    return launch
+    return start_on_workers(_on_each_worker, num_workers=2, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -299,13 +282,11 @@ def mirrored(_launch):
 
 @pytest.fixture(scope="module")
 def workers(_launch, mirrored):
-    _launch.join()
-    if _launch.error is not None:
-        raise _launch.error
+    result = _launch.result()
     if os.environ.get("KERAS_DIST_MATRIX_TABLE"):  # the issue's closing-note table
         with open(os.environ["KERAS_DIST_MATRIX_TABLE"], "w") as file:
-            file.write(_table(mirrored, _launch.result))
-    return _launch.result
+            file.write(_table(mirrored, result))
+    return result
 
 
 def _table(mirrored, workers):

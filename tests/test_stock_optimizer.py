@@ -9,12 +9,11 @@ there and on one device (same global batch) and return the weights; the tests co
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
 
-from keras_dist.testing import run_in_subprocess, run_on_workers
+from keras_dist.testing import run_in_subprocess, start_on_workers
 
 # The fixtures train every case before the first test that uses them returns.
 pytestmark = pytest.mark.timeout(900)
@@ -195,29 +194,13 @@ def _four_devices():
     return out
 
 
-class _Background(threading.Thread):
-    """Runs the 2-worker launch while this process waits on the 4-device subprocess."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.result = self.error = None
-
-    def run(self):
-        try:
-            self.result = run_on_workers(_on_each_worker, num_workers=2, timeout=600)
-        except BaseException as error:  # re-raised in the test that needs it
-            self.error = error
-
-
 @pytest.fixture(scope="module")
 def _launch(request):
     """The worker launch, started first (if a selected test uses it) so that its two
     processes and the 4-device subprocess share the machine instead of taking turns."""
     if not any("two_workers" in item.fixturenames for item in request.session.items):
         return None
-    launch = _Background()
-    launch.start()
-    return launch
+    return start_on_workers(_on_each_worker, num_workers=2, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -227,10 +210,7 @@ def four_devices(_launch):
 
 @pytest.fixture(scope="module")
 def two_workers(_launch):
-    _launch.join()
-    if _launch.error is not None:
-        raise _launch.error
-    return _launch.result
+    return _launch.result()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
