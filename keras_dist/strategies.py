@@ -208,7 +208,7 @@ def _build(kind, devices, cluster, implementation, bytes_per_pack, timeout_secon
             rpc_layer=cluster.rpc_layer,
         )
         try:
-            return tf.distribute.MultiWorkerMirroredStrategy(
+            created = tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=resolver, communication_options=options
             )
         except (RuntimeError, ValueError) as error:
@@ -216,6 +216,8 @@ def _build(kind, devices, cluster, implementation, bytes_per_pack, timeout_secon
             if explained is None:
                 raise
             raise explained from None
+        _all_workers_ready()
+        return created
     from keras_dist import _local_strategies
 
     resolver = _local_strategies.cluster_resolver_for(cluster)
@@ -228,6 +230,27 @@ def _build(kind, devices, cluster, implementation, bytes_per_pack, timeout_secon
             cluster_resolver=resolver,
         )
     return _local_strategies.OneDeviceStrategy(devices[0], cluster_resolver=resolver)
+
+
+def _all_workers_ready() -> None:
+    """Returns once every worker has finished creating its MultiWorkerMirroredStrategy.
+
+    When a TensorFlow op ran before `strategy()` (the tutorials' data-before-strategy
+    order), the runtime is already started and `MultiWorkerMirroredStrategy` re-enables
+    collective ops on it ("Enabling collective ops after program startup"). A worker that
+    is done first and starts a collective (the broadcast of the first variable's initial
+    value) while its peer is still re-enabling hangs both in that broadcast (seen 2 runs
+    in 5 on 2 CPU cores). A coordination-service barrier after creation closes the race;
+    it costs one round trip at start-up.
+    """
+    from keras_dist import _rendezvous
+    from keras_dist.compat import coordination
+
+    if not coordination.available():
+        return
+    coordination.wait_at_barrier(
+        "keras_dist-strategy-ready",
+        _rendezvous.startup_timeout(None))
 
 
 def _mirrored_cross_device_ops(devices, implementation, bytes_per_pack):
