@@ -13,7 +13,9 @@ import contextlib
 import io
 import json
 import math
+import os
 import random
+import time
 
 import pytest
 
@@ -301,3 +303,53 @@ def test_missing_tools_and_privileges_give_clear_errors(monkeypatch, tmp_path):
     with pytest.raises(planning.LinkSimulatorError,
                        match="needs root or CAP_NET_ADMIN.*Operation not permitted"):
         planning.check_support(planning.Link.parse("1gbit"))
+
+
+@pytest.mark.timeout(60)
+def test_run_in_link_leaves_no_process_behind():
+    # A launched worker runs in its own session (setsid), out of reach of the link
+    # process's group; a stray one (e.g. stuck in a collective) must still not outlive
+    # the call. The stray here sleeps; its pid comes back for the check.
+    link = planning.Link.parse(None)
+    _simulator_or_skip(link)
+
+    def leave_a_stray(seconds):
+        import subprocess
+        import sys
+
+        stray = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"],
+                                 start_new_session=True)
+        return stray.pid
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as file:
+                return file.read().split(") ")[1][0] != "Z"
+        except OSError:
+            return False
+
+    pid = planning.run_in_link(leave_a_stray, link, kwargs={"seconds": 120}, timeout=50)
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)
+
+    def hang(seconds):
+        leave_a_stray(seconds)
+        import time as clock
+
+        clock.sleep(seconds)
+
+    with pytest.raises(TimeoutError, match="did not finish within 3 s"):
+        planning.run_in_link(hang, link, kwargs={"seconds": 120}, timeout=3)
+    leftover = [entry for entry in os.listdir("/proc") if entry.isdigit()
+                and _cmdline(entry).endswith("time.sleep(120)")]
+    assert leftover == []
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return file.read().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""

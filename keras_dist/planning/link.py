@@ -189,13 +189,14 @@ def run_in_link(fn: Callable[..., Any], link: Link, *, kwargs: Mapping[str, Any]
         environment["PYTHONPATH"] = os.pathsep.join(path + [p for p in sys.path if p])
         environment.update(env or {})
         process = subprocess.Popen(command, env=environment, start_new_session=True)
-        try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            process.wait()
+        code, namespace = _wait_noting_namespace(process, timeout)
+        # Whatever is still alive in the namespace (a launched worker that left the
+        # process group, e.g. one stuck in a collective after its peer failed) is killed
+        # too: nothing started behind the link outlives the call.
+        _kill_namespace(namespace, process)
+        if code is None:
             raise TimeoutError(f"run_in_link: {getattr(fn, '__name__', fn)} did not finish "
-                               f"within {timeout} s behind {link.describe()}") from None
+                               f"within {timeout} s behind {link.describe()}")
         if not os.path.exists(result):
             raise LinkSimulatorError(f"run_in_link: the process behind {link.describe()} "
                                      f"exited with {code} and no result")
@@ -205,6 +206,52 @@ def run_in_link(fn: Callable[..., Any], link: Link, *, kwargs: Mapping[str, Any]
         raise LinkSimulatorError(f"{getattr(fn, '__name__', fn)} failed behind "
                                  f"{link.describe()}:\n{value}")
     return value
+
+
+def _net_namespace(pid) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+
+
+def _wait_noting_namespace(process, timeout: float):
+    """Waits for `process`; returns (exit code or None on timeout, its net namespace).
+
+    The namespace is read once the process has entered it (it starts in ours and
+    `unshare` moves it), so it is known even if the process exits quickly afterwards.
+    """
+    own = _net_namespace("self")
+    namespace = None
+    deadline = time.monotonic() + timeout
+    while True:
+        current = _net_namespace(process.pid)
+        if current is not None and current != own:
+            namespace = current
+        try:
+            return process.wait(timeout=0.05 if namespace is None else 0.5), namespace
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                return None, namespace
+
+
+def _kill_namespace(namespace: str | None, process) -> None:
+    """SIGKILLs `process`'s group and every process left in `namespace` (never ours)."""
+    try:
+        os.killpg(process.pid, 9)
+    except OSError:
+        pass
+    if namespace is not None and namespace != _net_namespace("self"):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and _net_namespace(entry) == namespace:
+                try:
+                    os.kill(int(entry), 9)
+                except OSError:
+                    pass
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _ring_transfer(workers: int, nbytes: int) -> float:
