@@ -95,8 +95,14 @@ def _step_function(strategy, path: str, inner: int, options):
 
 
 def time_all_reduce(strategy, shapes: Sequence[int], path: str, *, implementation="auto",
-                    bytes_per_pack: int = 0, budget_bytes: int = _BUDGET_BYTES) -> float:
-    """Seconds per all-reduce of float32 tensors with `shapes` elements along `path`."""
+                    bytes_per_pack: int = 0, budget_bytes: int = _BUDGET_BYTES,
+                    with_cpu: bool = False):
+    """Seconds per all-reduce of float32 tensors with `shapes` elements along `path`.
+
+    With `with_cpu=True`, returns `(wall_s, cpu_s)`: `cpu_s` is this process's CPU time
+    (all its threads: TensorFlow's executor, the collective's and gRPC's) per
+    all-reduce, the part that competes with computation on a busy machine.
+    """
     import tensorflow as tf
 
     size = 4 * sum(shapes)
@@ -104,11 +110,15 @@ def time_all_reduce(strategy, shapes: Sequence[int], path: str, *, implementatio
     tensors = [tf.zeros([count], tf.float32) for count in shapes]
     step = _step_function(strategy, path, inner, _options(implementation, bytes_per_pack))
     _fetch(strategy, step(*tensors))  # trace and warm up
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(outer):
         result = step(*tensors)
     _fetch(strategy, result)
-    return (time.perf_counter() - start) / (inner * outer)
+    count = inner * outer
+    wall = (time.perf_counter() - start) / count
+    if with_cpu:
+        return wall, (time.process_time() - cpu_start) / count
+    return wall
 
 
 def _fetch(strategy, result):
