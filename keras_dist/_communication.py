@@ -14,6 +14,19 @@ from keras_dist import _validation
 
 IMPLEMENTATIONS = ("auto", "ring", "nccl")
 
+# `keras_dist.strategy(bytes_per_pack="auto")` (the default): gradients are all-reduced in
+# packs of about this many bytes, in reverse layer order, each issued as soon as its
+# gradients exist, so communication overlaps the backward pass. Chosen from data by
+# benchmarks/buckets.py (README, "Overlap"); 0 is TensorFlow's own default, one pack
+# that waits for the last gradient.
+DEFAULT_BYTES_PER_PACK = 1 << 20
+AUTO = "auto"
+
+
+def resolve_bytes_per_pack(bytes_per_pack) -> int:
+    """`"auto"` -> keras_dist's measured default; an integer stays what it is."""
+    return DEFAULT_BYTES_PER_PACK if bytes_per_pack == AUTO else int(bytes_per_pack)
+
 
 @dataclasses.dataclass(frozen=True)
 class CommunicationSettings:
@@ -21,7 +34,9 @@ class CommunicationSettings:
 
     Args:
         implementation: `"auto"`, `"ring"` or `"nccl"` collectives.
-        bytes_per_pack: All-reduce pack size in bytes (0: TensorFlow decides).
+        bytes_per_pack: All-reduce pack size in bytes; `"auto"`: keras_dist's measured
+            default (`DEFAULT_BYTES_PER_PACK`); 0: one pack, or, in a per-call setting
+            (aggregation), the strategy's setting.
         timeout_seconds: Abort a collective that takes longer (None: wait forever).
 
     Raises:
@@ -29,15 +44,16 @@ class CommunicationSettings:
     """
 
     implementation: str = "auto"
-    bytes_per_pack: int = 0
+    bytes_per_pack: int | str = 0
     timeout_seconds: float | None = None
 
     def __post_init__(self):
         _validation.check_choice("implementation", self.implementation, IMPLEMENTATIONS)
-        if not _validation.is_int(self.bytes_per_pack) or self.bytes_per_pack < 0:
+        pack = self.bytes_per_pack
+        if pack != AUTO and (not _validation.is_int(pack) or pack < 0):
             raise ValueError(_validation.message(
-                "bytes_per_pack", "an integer >= 0 (0 lets TensorFlow choose)",
-                self.bytes_per_pack))
+                "bytes_per_pack", "an integer >= 0 (0: one pack, as TensorFlow does) or "
+                "'auto' (keras_dist's measured default)", pack))
         timeout = self.timeout_seconds
         if timeout is not None and not (_validation.is_number(timeout) and timeout > 0):
             raise ValueError(_validation.message(
@@ -53,7 +69,8 @@ class CommunicationSettings:
             "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
         }[self.implementation]
         return tf.distribute.experimental.CommunicationOptions(
-            bytes_per_pack=int(self.bytes_per_pack), timeout_seconds=self.timeout_seconds,
+            bytes_per_pack=resolve_bytes_per_pack(self.bytes_per_pack),
+            timeout_seconds=self.timeout_seconds,
             implementation=implementation)
 
 

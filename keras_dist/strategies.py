@@ -24,6 +24,7 @@ from typing import Sequence
 
 from keras_dist import _rendezvous, _runtime
 from keras_dist._communication import communication_options  # noqa: F401 (old path)
+from keras_dist._communication import resolve_bytes_per_pack
 from keras_dist._strategy_args import (
     _normalized_implementation,
     _second_multi_worker_message,
@@ -39,7 +40,7 @@ def strategy(
     *,
     devices: Sequence[str] | None = None,
     implementation: str = "auto",
-    bytes_per_pack: int = 0,
+    bytes_per_pack: int | str = "auto",
     timeout_seconds: float | None = None,
     cross_device_ops=None,
     startup_timeout_seconds: float | None = None,
@@ -60,8 +61,12 @@ def strategy(
             (one_device). Default: all GPUs, else all logical CPUs if more than one.
         implementation: All-reduce implementation: `"auto"`, `"ring"` or `"nccl"`.
             On CPU-only workers `"auto"` means RING.
-        bytes_per_pack: Pack gradients into chunks of about this many bytes for the
-            all-reduce (0: TensorFlow decides).
+        bytes_per_pack: Multi-worker all-reduce bucket size: gradients are all-reduced
+            in packs of about this many bytes, in reverse layer order, each issued as
+            soon as its gradients exist, so communication overlaps the backward pass.
+            `"auto"` (the default): keras_dist's measured default,
+            `keras_dist._communication.DEFAULT_BYTES_PER_PACK` (README, "Overlap"); 0:
+            one pack after the last gradient (TensorFlow's default).
         timeout_seconds: Abort a collective that has not finished after this long, so a
             peer that is alive but stuck becomes `tf.errors.DeadlineExceededError`
             instead of a hang. None (the default): no per-collective timeout. A peer
@@ -109,6 +114,7 @@ def strategy(
     _check_cross_device_ops(cross_device_ops, cluster)
     resolved_kind, resolved_devices = _choose(kind, devices, cluster)
     implementation = _normalized_implementation(implementation)
+    bytes_per_pack = resolve_bytes_per_pack(bytes_per_pack)
     # CrossDeviceOps compare by identity: the same instance, the same strategy.
     key = (resolved_kind, resolved_devices, implementation, bytes_per_pack,
            timeout_seconds, cluster, cross_device_ops)

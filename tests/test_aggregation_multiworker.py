@@ -42,6 +42,15 @@ def _on_each_worker():
     out["accumulate"] = run["weights"]
     out["accumulate_counts"] = (callback.aggregator.all_reduce_count, run["iterations"])
     out["clip"] = _train(strategy, 16, callbacks=[GradientAggregation(clipnorm=0.5)])["weights"]
+    # Buckets (here one per tensor: bytes_per_pack=64) keep every stage exact.
+    out["packs"] = {
+        "plain": _train(strategy, 16, callbacks=[GradientAggregation(bytes_per_pack=64)]),
+        "clip": _train(strategy, 16, callbacks=[
+            GradientAggregation(clipnorm=0.5, bytes_per_pack=64)]),
+        "accumulate": _train(strategy, 16, examples=256, callbacks=[
+            GradientAggregation(accumulation_steps=4, bytes_per_pack=64)]),
+    }
+    out["packs"] = {name: run["weights"] for name, run in out["packs"].items()}
     out["stock_clip"] = _train(strategy, 16, global_clipnorm=0.5)["weights"]
 
     # Overflow in worker 1's half of the first global batch only.
@@ -95,6 +104,8 @@ def test_two_workers_equal_single_device(workers, reference):
         # Keras' own global_clipnorm acts on the aggregated gradient under
         # keras_dist.strategy() (the clip_after_all_reduce fix).
         assert _max_diff(worker["stock_clip"], reference["clip"]) < 1e-5
+        for name, weights in worker["packs"].items():
+            assert _max_diff(weights, reference[name]) < 1e-5, name
 
 
 def test_two_workers_accumulate_and_all_reduce_once_per_k_steps(workers, reference):

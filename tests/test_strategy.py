@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from keras_dist import _communication
+
 from keras_dist.testing import run_in_subprocess, run_on_workers
 
 
@@ -113,7 +115,28 @@ def _multi_worker_choice():
         "is_chief": keras_dist.is_chief(),
         "worker_index": keras_dist.worker_index(),
         "num_workers": keras_dist.num_workers(),
+        "packs": _collectives_for_three_large_tensors(chosen),
     }
+
+
+def _collectives_for_three_large_tensors(chosen):
+    """All-reduces issued for 3 tensors just over the default bucket size (traced only)."""
+    import tensorflow as tf
+
+    from keras_dist import _communication
+
+    elements = _communication.DEFAULT_BYTES_PER_PACK // 4 + 1
+
+    @tf.function
+    def reduce_three():
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            return context.all_reduce("SUM", [tf.ones([elements]) for _ in range(3)])
+
+        return chosen.run(replica_fn)
+
+    graph = reduce_three.get_concrete_function().graph
+    return sum(op.type == "CollectiveReduceV2" for op in graph.get_operations())
 
 
 def test_no_cluster_gives_one_device_mirrored_with_a_cluster_resolver():
@@ -162,9 +185,13 @@ def test_two_launched_workers_give_multi_worker_strategy():
     assert [r["resolver"] for r in results] == [["worker", 0], ["worker", 1]]
     # On CPU workers "auto" is RING: asking for "ring" again is the same strategy ...
     assert all(r["ring_is_auto"] for r in results)
+    # The default buckets the all-reduce (one collective per pack, so the first packs
+    # can start during the backward pass) instead of TensorFlow's one pack.
+    assert [r["packs"] for r in results] == [3, 3]
     # ... but a genuinely different request is refused, naming what differs.
     for r in results:
-        assert "bytes_per_pack=1024 (the existing one has 0)" in r["different_request"]
+        assert (f"bytes_per_pack=1024 (the existing one has "
+                f"{_communication.DEFAULT_BYTES_PER_PACK})") in r["different_request"]
     # Only this worker's device, although TensorFlow lists the peer's too.
     assert [r["local_devices"] for r in results] == [
         [f"/job:worker/replica:0/task:{i}/device:CPU:0"] for i in (0, 1)]

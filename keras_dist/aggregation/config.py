@@ -24,7 +24,8 @@ class AggregationConfig:
             `global_clipnorm` semantics). None: no clipping.
         compression: None, `"bf16"` or `"fp16"`: the dtype gradients travel in.
         accumulation_steps: Micro-batches per update (1: update every step).
-        bytes_per_pack: All-reduce pack size in bytes (0: TensorFlow decides).
+        bytes_per_pack: All-reduce bucket size in bytes (0: the strategy's, by default
+            keras_dist's measured bucket size; see `keras_dist.strategy`).
         timeout_seconds: Abort an all-reduce that takes longer (None: wait forever).
         implementation: `"auto"`, `"ring"` or `"nccl"` collectives.
 

@@ -32,7 +32,8 @@ class GradientAggregation(Callback):
         compression: None, `"bf16"` or `"fp16"`: dtype gradients are all-reduced in.
         accumulation_steps: Micro-batches per update; the all-reduce runs once per update.
             `optimizer.iterations` counts updates.
-        bytes_per_pack: All-reduce pack size in bytes (0: TensorFlow decides).
+        bytes_per_pack: All-reduce bucket size in bytes (0: the strategy's, by default
+            keras_dist's measured bucket size; see `keras_dist.strategy`).
         timeout_seconds: Fail an all-reduce that takes longer than this (None: wait).
         implementation: `"auto"`, `"ring"` or `"nccl"` collectives.
 
