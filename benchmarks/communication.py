@@ -7,7 +7,7 @@ On 2 launched workers (CPU: one replica each, RING collectives over loopback gRP
    its bf16 compression path (casts included);
 2. **bytes_per_pack**: the gradient list of the model below, all-reduced in one call
    with `CommunicationOptions(bytes_per_pack=...)`, against TensorFlow's default (0:
-   one pack);
+   one pack); the all-reduce alone, nothing to overlap with (that is `buckets`);
 3. **end to end**: step time of a communication-heavy model (many parameters, tiny
    batches, so the all-reduce dominates) trained with stock Keras aggregation ("plain")
    vs `GradientAggregation(accumulation_steps=4)` and `GradientAggregation(
@@ -25,6 +25,7 @@ from benchmarks import common
 from keras_dist import _bench
 
 NAME = "communication"
+ONE_PACK = 1 << 62
 E2E_VARIANTS = ("plain", "accumulation_4", "bf16")
 
 
@@ -87,11 +88,15 @@ def measure(config: dict) -> dict:
 
     shapes = [int(v.shape.num_elements()) for v in models["plain"].trainable_variables]
     packs = []
-    for path, pack in [("plain_fp32", 0)] + [("keras_dist_fp32", p) for p in config["packs"]]:
-        seconds = _bench.time_all_reduce(strategy, shapes, path, implementation=implementation,
-                                         bytes_per_pack=pack,
+    # 0 is one pack (TensorFlow's default), given per call as a size no list reaches:
+    # per call, 0 would mean the strategy's setting (keras_dist's default buckets).
+    for pack in [0] + [p for p in config["packs"] if p]:
+        seconds = _bench.time_all_reduce(strategy, shapes, "keras_dist_fp32",
+                                         implementation=implementation,
+                                         bytes_per_pack=pack or ONE_PACK,
                                          budget_bytes=config["budget_bytes"])
-        packs.append({"path": path, "bytes_per_pack": pack, "time_us": 1e6 * seconds})
+        packs.append({"path": "keras_dist_fp32", "bytes_per_pack": pack,
+                      "time_us": 1e6 * seconds})
 
     for name in E2E_VARIANTS:
         common.timed_fit(models[name], data, config["warmup_steps"], callbacks[name])

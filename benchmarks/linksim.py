@@ -175,8 +175,9 @@ def _calibrate(groups: list, engine) -> dict:
             continue
         comm_ms = 1000 * engine.time(4 * group["params"], group["workers"], None)
         residual = group["step_ms"] - group["compute_ms"] - comm_ms
-        # Overlap stays 0: measured in issue 14, nothing of the all-reduce is hidden
-        # (a negative residual is the model's error, not overlap, and is reported).
+        # Overlap stays 0 in the model: what the buckets hide is measured by
+        # benchmarks/scaling.py and given to `predict(overlap=...)` by the user; here a
+        # negative residual is the model's error (or overlap), reported as such.
         calibration[group["workers"]] = {
             "residual_ms": residual,
             "overhead_ms": max(0.0, residual),
