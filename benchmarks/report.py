@@ -37,10 +37,21 @@ def _rows(results: dict) -> list[tuple]:
             f"{overhead['plain_eps']:,.0f} / {overhead['keras_dist_eps']:,.0f}")
     scaling = results.get("scaling")
     if scaling and "efficiency" in scaling:
+        threads = scaling.get("inter_op_threads", 1)
         add("scaling", "efficiency", "scaling efficiency eps_2 / (2 eps_1), compute-bound MLP, "
-            "1 thread per worker", scaling["efficiency"])
+            f"1 intra-op + {threads} inter-op thread(s) per worker", scaling["efficiency"])
         add("scaling", "eps", "examples/s 1 worker / 2 workers",
             f"{scaling['eps_1']:,.0f} / {scaling['eps_2']:,.0f}")
+        if "overlap_efficiency" in scaling:
+            add("scaling", "overlap", "overlap efficiency local step / 2-worker step: "
+                "bucketed (default) / one pack (before)",
+                f"{scaling['overlap_efficiency']:.3f} / "
+                f"{scaling['overlap_efficiency_one_pack']:.3f}")
+            add("scaling", "overlap_vs_bound", "overlap / bound local / (local + "
+                "all-reduce CPU)", f"{scaling['overlap_vs_bound']:.2f} x "
+                f"{scaling['overlap_bound']:.3f}")
+            add("scaling", "efficiency_one_pack", "scaling efficiency with one pack "
+                "(before)", scaling["efficiency_one_pack"])
     sharding = results.get("input_sharding")
     if sharding and "throughput_ratio" in sharding:
         add("input_sharding", "reads_per_worker_fraction",
@@ -65,6 +76,22 @@ def _rows(results: dict) -> list[tuple]:
             "accumulation_steps=4), comm-heavy MLP", e2e["accumulation_speedup"], 2)
         add("communication", "bf16_e2e", "step time plain / GradientAggregation("
             "compression='bf16')", e2e["bf16_speedup"], 2)
+    buckets = results.get("buckets")
+    if buckets and "rule" in buckets:
+        rule = buckets["rule"]
+        worst = {int(size): ratio for size, ratio in rule["worst_ratio_to_best"].items()}
+        chosen = int(rule["bytes_per_pack"])
+        add("buckets", "rule", f"bytes_per_pack with the best worst case over {rule['cells']}"
+            " (model, link) cells (its worst step / best; one pack's)",
+            f"{chosen >> 20} MB ({worst[chosen]:.2f}; {worst.get(0, float('nan')):.2f})"
+            if chosen >= 1 << 20 else f"{chosen} ({worst[chosen]:.2f})")
+    engine = results.get("engine")
+    if engine and "rows" in engine:
+        largest = engine["rows"][-1]
+        add("engine", "gap", f"all-reduce time TensorFlow / numpy+socket ring, "
+            f"{largest['size_bytes'] >> 20} MB, 2 workers", largest["gap"], 2)
+        add("engine", "busbw", "busbw TensorFlow / numpy+socket ring (GB/s)",
+            f"{largest['tensorflow_busbw_GBps']:.2f} / {largest['reference_busbw_GBps']:.2f}")
     memory = results.get("memory")
     if memory and "ratio" in memory:
         add("memory", "ratio", "peak RSS accumulation k=4 at b / plain at 4b", memory["ratio"])

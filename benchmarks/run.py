@@ -7,9 +7,10 @@
     python benchmarks/run.py --link-rate 1gbit,10gbit --quick   # link simulator + model
 
 Every figure is a ratio against plain tf.distribute (the seed's way) measured in the
-same run (pipeline: against GPipe's bubble model). Benchmarks: overhead, scaling,
-input_sharding, communication, memory, sparse_accumulation, pipeline (one module each in
-benchmarks/). The JSON goes to `--output` (default
+same run (pipeline: against GPipe's bubble model; engine: against a numpy + socket ring).
+Benchmarks: overhead, scaling, input_sharding, communication, memory, sparse_accumulation,
+pipeline, buckets, engine (one module each in benchmarks/); `--only buckets --link-rate
+1gbit,10gbit` repeats the bucket-size sweep behind simulated links. The JSON goes to `--output` (default
 benchmarks/results/results.json), the plot `scaling_bandwidth.png` next to it, and a
 markdown summary is printed at the end. Each measurement runs in fresh processes; this
 one never imports TensorFlow. `--smoke` is for the tests: minimal sizes, meaningless
@@ -34,7 +35,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 BENCHMARKS = ("overhead", "scaling", "input_sharding", "communication", "memory",
-              "sparse_accumulation", "pipeline")
+              "sparse_accumulation", "pipeline", "buckets", "engine")
 _DEVICE_AWARE = ("overhead", "communication")  # take --device/--replicas/... options
 # Only on request (`--link-rate` or `--only linksim`): it needs root or CAP_NET_ADMIN.
 OPTIONAL = ("linksim",)
@@ -109,6 +110,30 @@ def _write(results: dict, path: str) -> None:
     os.replace(temporary, path)
 
 
+def _earlier(output: str, names: Sequence[str]) -> dict:
+    """The other benchmarks' entries of an existing results file (`--only` keeps them).
+
+    A run of some benchmarks updates their entries and leaves the rest as measured
+    before; each entry carries its own `measured` (date, mode, load at start).
+    """
+    try:
+        with open(output, encoding="utf-8") as file:
+            earlier = json.load(file)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(earlier, dict):
+        return {}
+    meta = earlier.get("meta", {})
+    kept = {}
+    for name, entry in earlier.items():
+        if name == "meta" or name in names or not isinstance(entry, dict):
+            continue
+        entry.setdefault("measured", {"date": meta.get("date"), "mode": meta.get("mode"),
+                                      "loadavg_start": meta.get("loadavg_start")})
+        kept[name] = entry
+    return kept
+
+
 def run(names: Sequence[str], mode: str, output: str, *, device_options: dict | None = None,
         plot: bool = True, flags: str = "") -> dict:
     """Runs the benchmarks `names` in `mode`; writes and returns the results dict.
@@ -121,6 +146,8 @@ def run(names: Sequence[str], mode: str, output: str, *, device_options: dict | 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     results: dict = {"meta": dict(common.machine_info(), mode=mode, flags=flags,
                                   benchmarks=list(names))}
+    kept = _earlier(output, names)
+    results.update(kept)
     started = time.perf_counter()
     for name in names:
         module = importlib.import_module(f"benchmarks.{name}")
@@ -128,6 +155,8 @@ def run(names: Sequence[str], mode: str, output: str, *, device_options: dict | 
         link_options = options.pop("link", None) or {}
         if name == "linksim":
             options = link_options
+        elif name == "buckets":  # the sweep is repeated behind each --link-rate
+            options = {"link_rates": link_options.get("link_rates", [])}
         elif name not in _DEVICE_AWARE:
             options = {}
         elif name == "communication" and options.get("device_type") == "GPU":
@@ -137,6 +166,8 @@ def run(names: Sequence[str], mode: str, output: str, *, device_options: dict | 
         try:
             results[name] = module.run(mode, **options)
             results[name]["elapsed_s"] = time.perf_counter() - began
+            results[name]["measured"] = {"date": results["meta"]["date"], "mode": mode,
+                                         "loadavg_start": results["meta"]["loadavg_start"]}
             module.report(results[name])
             if hasattr(module, "plot") and plot:
                 try:  # a failed plot must not lose the measurements
@@ -194,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device_options["link"] = {"link_rates": rates, "link_workers": counts}
         if not args.only:
             names = ["linksim"]
-        if args.output == DEFAULT_OUTPUT:
+        if args.output == DEFAULT_OUTPUT and "linksim" in names:
             args.output = LINKSIM_OUTPUT
         try:
             from keras_dist.planning import Link, check_support

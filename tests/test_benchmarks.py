@@ -27,6 +27,8 @@ REQUIRED = {
                        "throughput_ratio"),
     "communication": ("max_busbw_fp32_GBps", "bf16_allreduce_speedup_largest"),
     "memory": ("plain_peak_rss_mb", "accumulation_peak_rss_mb", "ratio"),
+    "buckets": (),
+    "engine": ("gap_largest",),
 }
 
 
@@ -92,6 +94,67 @@ def test_communication_smoke(tmp_path):
     assert _positive_finite(end_to_end["accumulation_speedup"])
     assert _positive_finite(end_to_end["bf16_speedup"])
     assert (tmp_path / bench_run.PLOT_NAME).stat().st_size > 0
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(240)
+def test_buckets_smoke(tmp_path):
+    _, result = _run_smoke("buckets", tmp_path)
+    rows = result["sweeps"]["loopback"]["rows"]
+    assert {row["bytes_per_pack"] for row in rows} == {0, 64 << 10}
+    assert all(_positive_finite(row["step_ms"]) and _positive_finite(row["overlap_efficiency"])
+               for row in rows)
+    assert result["rule"]["bytes_per_pack"] in (0, 64 << 10)
+
+
+def test_bucket_rule_takes_the_best_worst_case():
+    from benchmarks import buckets
+
+    def sweep(steps):
+        return {"rows": [{"model": model, "bytes_per_pack": size, "step_ms": ms}
+                         for model, by_size in steps.items() for size, ms in by_size.items()]}
+
+    sweeps = {"loopback": sweep({"a": {0: 100, 1: 80, 4: 85}, "b": {0: 50, 1: 45, 4: 40}}),
+              "1gbit": sweep({"a": {0: 300, 1: 200, 4: 210}})}
+    rule = buckets.choose_rule(sweeps, tie=0.0)
+    # size 1: worst 45/40 = 1.125; size 4: worst 85/80 = 1.0625; one pack: 1.5.
+    assert rule["bytes_per_pack"] == 4 and rule["cells"] == 3
+    assert rule["worst_ratio_to_best"][0] == pytest.approx(1.5)
+    # Within the tie, the larger size wins (fewer collectives).
+    close = {"loopback": sweep({"a": {1: 100, 4: 101.5}, "b": {1: 100, 4: 100}})}
+    assert buckets.choose_rule(close, tie=0.02)["bytes_per_pack"] == 4
+    assert buckets.choose_rule(close, tie=0.0)["bytes_per_pack"] == 1
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(240)
+def test_engine_smoke(tmp_path):
+    _, result = _run_smoke("engine", tmp_path)
+    row = result["rows"][0]
+    for key in ("reference_ms", "tensorflow_ms", "reference_busbw_GBps",
+                "tensorflow_busbw_GBps", "tensorflow_cpu_ms"):
+        assert _positive_finite(row[key]), key
+    assert result["remedies"]
+
+
+def test_engine_profile_buckets():
+    from benchmarks import engine
+
+    text = """# Samples: 100
+#
+    40.00%  libc.so.6                        [.] __memmove_avx_unaligned_erms
+    20.00%  [kernel.kallsyms]                [k] tcp_sendmsg_locked
+    15.00%  _pywrap_tensorflow_internal.so   [.] grpc_core::ExecCtx::Flush
+    10.00%  libtensorflow_framework.so.2     [.] Eigen::internal::TensorExecutor<add>
+     5.00%  [kernel.kallsyms]                [k] futex_wait
+    10.00%  libfoo.so                        [.] something_else
+"""
+    result = engine.categorize(text)
+    buckets = result["buckets_percent"]
+    assert buckets["memory copies"] == 40 and buckets["kernel TCP / loopback"] == 20
+    assert buckets["gRPC and protobuf"] == 15 and buckets["reduction arithmetic"] == 10
+    assert buckets["wake-ups, locks, scheduling"] == 5 and buckets["other"] == 10
+    assert result["top_symbols"][0]["symbol"] == "__memmove_avx_unaligned_erms"
 
 
 @pytest.mark.timeout(180)
