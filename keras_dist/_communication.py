@@ -52,8 +52,9 @@ class CommunicationSettings:
         pack = self.bytes_per_pack
         if pack != AUTO and (not _validation.is_int(pack) or pack < 0):
             raise ValueError(_validation.message(
-                "bytes_per_pack", "an integer >= 0 (0: one pack, as TensorFlow does) or "
-                "'auto' (keras_dist's measured default)", pack))
+                "bytes_per_pack", "an integer >= 0 (bytes; 0: one pack in "
+                "strategy(), the strategy's setting in aggregation) or 'auto' "
+                "(keras_dist's measured default)", pack))
         timeout = self.timeout_seconds
         if timeout is not None and not (_validation.is_number(timeout) and timeout > 0):
             raise ValueError(_validation.message(
