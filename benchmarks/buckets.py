@@ -22,11 +22,11 @@ closest to the best one on every model and link (worst-case ratio to the best).
 from __future__ import annotations
 
 from benchmarks import common
+from keras_dist import _communication
 
 NAME = "buckets"
 MB = 1 << 20
-# Per call, 0 means "the strategy's setting"; a size no gradient list reaches is one pack.
-ONE_PACK = 1 << 62
+ONE_PACK = _communication.ONE_PACK  # one pack, given per call
 
 
 def settings(mode: str, *, link_rates=()) -> dict:

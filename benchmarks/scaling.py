@@ -35,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 
 from benchmarks import common
+from keras_dist import _communication
 
 NAME = "scaling"
 
@@ -62,9 +63,8 @@ def settings(mode: str) -> dict:
     )
 
 
-# A pack size no gradient list reaches: one pack (TensorFlow's `bytes_per_pack=0`), given
-# per call, where 0 would mean "the strategy's setting".
-ONE_PACK = 1 << 62
+# One pack (TensorFlow's `bytes_per_pack=0`), given per call.
+ONE_PACK = _communication.ONE_PACK
 # The 2-worker variants, trained in the same processes in alternating timed chunks (so
 # they share the machine's state; launches differ by +-15% on a shared machine):
 #   keras_dist:    stock Keras `fit` under `keras_dist.strategy()` (its default buckets);

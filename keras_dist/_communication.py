@@ -21,6 +21,9 @@ IMPLEMENTATIONS = ("auto", "ring", "nccl")
 # that waits for the last gradient.
 DEFAULT_BYTES_PER_PACK = 1 << 20
 AUTO = "auto"
+# One pack, given per call (aggregation, `_bench`): there 0 means "the strategy's setting",
+# so one pack is asked for with a size no gradient list reaches.
+ONE_PACK = 1 << 62
 
 
 def resolve_bytes_per_pack(bytes_per_pack) -> int:
