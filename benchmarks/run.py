@@ -10,7 +10,8 @@ Every figure is a ratio against plain tf.distribute (the seed's way) measured in
 same run (pipeline: against GPipe's bubble model; engine: against a numpy + socket ring).
 Benchmarks: overhead, scaling, input_sharding, communication, memory, sparse_accumulation,
 pipeline, buckets, engine (one module each in benchmarks/); `--only buckets --link-rate
-1gbit,10gbit` repeats the bucket-size sweep behind simulated links. The JSON goes to `--output` (default
+1gbit,10gbit` repeats the bucket-size sweep behind simulated links. The JSON goes to
+`--output` (default
 benchmarks/results/results.json), the plot `scaling_bandwidth.png` next to it, and a
 markdown summary is printed at the end. Each measurement runs in fresh processes; this
 one never imports TensorFlow. `--smoke` is for the tests: minimal sizes, meaningless

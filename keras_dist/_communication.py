@@ -21,8 +21,8 @@ IMPLEMENTATIONS = ("auto", "ring", "nccl")
 # that waits for the last gradient.
 DEFAULT_BYTES_PER_PACK = 1 << 20
 AUTO = "auto"
-# One pack, given per call (aggregation, `_bench`): there 0 means "the strategy's setting",
-# so one pack is asked for with a size no gradient list reaches.
+# One pack, given per call (aggregation, the benchmarks): there 0 means "the strategy's
+# setting", so one pack is asked for with a size no gradient list reaches.
 ONE_PACK = 1 << 62
 
 
