@@ -255,3 +255,76 @@ def test_opt_out_switch_is_read(monkeypatch, switch):
 
     monkeypatch.setenv(_writers.ENV_SWITCH, switch)
     assert not _writers.active()
+
+
+# -- the same path saved again and again, loaded back at once on every worker ---------
+STRESS_FORMATS = ("tf.saved_model.save(model)", "model.export", "tf.saved_model.save(module)",
+                  "model.save(.keras)")
+
+
+def _saved_values(loaded):
+    """Every value of every variable a loaded SavedModel holds."""
+    import numpy as np
+    import tensorflow as tf
+
+    return sorted({float(v) for trackable in tf.train.TrackableView(loaded).descendants()
+                   if isinstance(trackable, tf.Variable)
+                   for v in np.ravel(trackable.numpy())})
+
+
+def _save_and_load_repeatedly(root, saves):
+    """Save number i writes value i+1 everywhere; each worker loads it back at once."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_dist
+    from keras_dist.checkpointing import stock_writers
+
+    keras_dist.strategy()
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    module = tf.Module()
+    module.value = tf.Variable(np.zeros(3, "float32"))
+    directory, keras_file = f"{root}/model", f"{root}/model.keras"
+    outcomes = []
+    for number in range(saves):
+        value, kind = float(number + 1), STRESS_FORMATS[number % len(STRESS_FORMATS)]
+        model.set_weights([np.full(w.shape, value, w.dtype) for w in model.get_weights()])
+        module.value.assign(np.full(3, value, "float32"))
+        try:
+            if kind == "model.save(.keras)":
+                model.save(keras_file)
+                got = sorted({float(v) for w in keras.models.load_model(keras_file)
+                              .get_weights() for v in np.ravel(w)})
+            else:
+                if kind == "model.export":
+                    model.export(directory, verbose=False)
+                else:
+                    tf.saved_model.save(module if "module" in kind else model, directory)
+                got = _saved_values(tf.saved_model.load(directory))
+            outcomes.append(("ok" if got == [value] else f"other save's values {got}", kind))
+        except Exception as error:  # a mixed or partial load; counted, not raised
+            outcomes.append((f"load failed: {type(error).__name__}: {error}"[:300], kind))
+    # Saves of one name made on the chief only: no wait for the others after the first
+    # pairing (the chief finds out once, within the grace period capped by the timeout).
+    if keras_dist.is_chief():
+        os.environ[stock_writers.ENV_TIMEOUT] = "3"
+        for _ in range(3):
+            model.save_weights(f"{root}/chief_only.weights.h5")
+        del os.environ[stock_writers.ENV_TIMEOUT]
+    keras_dist.barrier("stress-done")
+    return {"outcomes": outcomes,
+            "left": sorted(p for p in os.listdir(root) if p.startswith(".tmp-keras-dist-"))}
+
+
+@pytest.mark.multiworker
+def test_repeated_saves_of_one_path_load_back_what_each_save_wrote(tmp_path):
+    saves = 12
+    results = run_on_workers(_save_and_load_repeatedly, num_workers=2,
+                             args=(str(tmp_path), saves), timeout=WRITERS_TIMEOUT)
+    for worker, result in enumerate(results):
+        bad = [(number, outcome) for number, outcome in enumerate(result["outcomes"])
+               if outcome[0] != "ok"]
+        assert len(result["outcomes"]) == saves and bad == [], (worker, bad)
+        assert result["left"] == [], result
+    assert sorted(os.listdir(tmp_path)) == ["chief_only.weights.h5", "model", "model.keras"]

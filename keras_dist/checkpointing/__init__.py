@@ -29,6 +29,7 @@ from keras_dist.checkpointing.chief_outputs import (
     verbose,
 )
 from keras_dist.checkpointing.files import BackupError
+from keras_dist.checkpointing.pairing import StockWriterError
 from keras_dist.checkpointing.preemption import PREEMPTION_EXIT_CODE
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "ModelCheckpoint",
     "TensorBoard",
     "PREEMPTION_EXIT_CODE",
+    "StockWriterError",
     "chief_path",
     "verbose",
 ]

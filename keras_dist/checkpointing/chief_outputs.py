@@ -11,15 +11,14 @@ temporary directories that are deleted again. Exported by `keras_dist.checkpoint
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
-import tempfile
 
 import keras
 
 from keras_dist._callback_base import Callback
-from keras_dist.cluster import is_chief, worker_index
+from keras_dist.checkpointing import stock_writers
+from keras_dist.cluster import is_chief
 
 __all__ = ["ModelCheckpoint", "TensorBoard", "chief_path", "verbose"]
 
@@ -55,7 +54,7 @@ def chief_path(path: str | os.PathLike) -> str:
         target = path
     else:
         root = _root()
-        target = _chief_paths.setdefault(path, _under(root, path))
+        target = _chief_paths.setdefault(path, stock_writers.under(root, path))
     # Keras' savers do not create missing parent directories; make every worker alike.
     parent = os.path.dirname(target)
     if parent:
@@ -112,7 +111,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint, Callback):
             self.filepath = self._chief_filepath
         else:
             self._private_dir = _private_dir("checkpoint")
-            self.filepath = _under(self._private_dir, self._chief_filepath)
+            self.filepath = stock_writers.under(self._private_dir, self._chief_filepath)
         super().on_train_begin(logs)
 
     def on_train_end(self, logs=None):
@@ -173,17 +172,9 @@ def _check_path(name: str, path) -> str:
     return path
 
 
-def _under(root: str, path: str) -> str:
-    """`path` re-rooted under `root`, keeping its structure (and `{...}` placeholders)."""
-    relative = os.path.splitdrive(os.path.abspath(path))[1].lstrip(os.sep)
-    return os.path.join(root, relative)
-
-
 def _private_dir(kind: str) -> str:
     """A new temporary directory for this worker, removed at exit if still there."""
-    directory = tempfile.mkdtemp(prefix=f"keras_dist-worker{worker_index()}-{kind}-")
-    atexit.register(shutil.rmtree, directory, True)
-    return directory
+    return stock_writers.private_dir(kind, remove_at_exit=True)
 
 
 def _root() -> str:

@@ -9,27 +9,24 @@ stock writers), free of upstream internals:
   file appears complete or not at all. A directory (SavedModel) is renamed into place;
   an older one at the path is first renamed aside, then deleted.
 * The other workers write under a private temporary directory, deleted at once.
-* Saves are paired across workers by file name and order: the chief's n-th save of a
-  file named `B` pairs with every other worker's n-th save of a file named `B` (in
-  whatever directory), so a worker that saves into its own `tempfile.mkdtemp()` (Ray's
-  documented pattern) pairs with the chief's save of its own directory, and one path
-  shared by every worker pairs with itself.
-* The chief publishes "started" (with its path) for the pair before writing, then "done"
-  (or its error) in TensorFlow's coordination service; the others wait for both before
-  returning, so a load of the chief's file right after the save works on every worker.
-  The chief never waits, so a script that saves on the chief only
-  (`if is_chief(): model.save(p)`) still runs. A worker whose chief never makes the
-  paired save gets `StockWriterError` after `KERAS_DIST_STOCK_WRITERS_TIMEOUT` seconds
-  (default 600), naming the path and the variable.
+* Saves are paired across workers and ordered by `keras_dist.checkpointing.pairing`:
+  the chief's n-th save of a file named `B` with each other worker's n-th save of a
+  file named `B`; the chief moves its file into place only once every worker taking
+  part is done with the previous one, and the others return only once the chief's
+  file is complete, so `save(p)` then a load of `p` works on every worker, however
+  often `p` is saved. The chief's saves of a name no other worker saves (`if
+  is_chief(): model.save(p)`) do not wait for anyone.
 
 Paths keras_dist already made private (`chief_path()` on other workers, keras_dist's
-own ModelCheckpoint/TensorBoard/BackupAndRestore temporaries) are written as given.
+own ModelCheckpoint/TensorBoard/BackupAndRestore temporaries) are written as given;
+those that mirror a save of the chief's (`chief_path()`, keras_dist's ModelCheckpoint)
+still count as that worker's paired save, so the chief does not replace the file while
+the worker may be reading it.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import os
 import shutil
@@ -38,26 +35,20 @@ import threading
 import uuid
 from typing import Any, Callable
 
-ENV_SWITCH = "KERAS_DIST_STOCK_WRITERS"
-ENV_TIMEOUT = "KERAS_DIST_STOCK_WRITERS_TIMEOUT"
-# How long another worker waits for the chief to reach the paired save; a mismatch (a
-# save the chief never makes) is an error after this. Once the chief has started, its
-# write is waited for as long as it takes (a chief that dies ends the wait: the
-# coordination service runs in the chief).
-_DEFAULT_TIMEOUT_SECONDS = 600.0
-_WRITE_WAIT_SECONDS = 24 * 3600.0
-_KEY_ROOT = "keras_dist/stock_writers"
+from keras_dist.checkpointing import pairing
+from keras_dist.checkpointing.pairing import ENV_SWITCH, ENV_TIMEOUT, StockWriterError
+
+__all__ = ["ENV_SWITCH", "ENV_TIMEOUT", "PrivateOutput", "StockWriterError", "active",
+           "private_dir", "replace_into", "write"]
+
 TMP_PREFIX = ".tmp-keras-dist-"
 PRIVATE_PREFIX = "keras_dist-worker"
 USER_WORKER_PREFIX = "workertemp_"
+# Kinds of private directory (`private_dir(kind)`) whose saves mirror one of the
+# chief's: `chief_path()` and keras_dist's ModelCheckpoint on the other workers.
+MIRROR_KINDS = ("outputs", "checkpoint")
 
 _state = threading.local()
-_counts: collections.Counter = collections.Counter()
-_counts_lock = threading.Lock()
-
-
-class StockWriterError(RuntimeError):
-    """The chief's save failed or did not finish, seen from another worker."""
 
 
 def active() -> bool:
@@ -78,9 +69,17 @@ def is_private(path: str) -> bool:
     tutorial's `write_filepath` and tf_keras' internal one): the chief saves another
     path then, so waiting for it to save this one would never end.
     """
-    parts = os.path.abspath(path).split(os.sep)
     return any(part.startswith((PRIVATE_PREFIX, TMP_PREFIX, USER_WORKER_PREFIX))
-               for part in parts)
+               for part in os.path.abspath(path).split(os.sep))
+
+
+def _mirrors_chief(path: str) -> bool:
+    """True for a private path of a kind in `MIRROR_KINDS` (see `private_dir`)."""
+    for part in os.path.abspath(path).split(os.sep):
+        if part.startswith(PRIVATE_PREFIX):
+            kind = part[len(PRIVATE_PREFIX):].split("-")[1:2]
+            return kind[0] in MIRROR_KINDS if kind else False
+    return False
 
 
 @contextlib.contextmanager
@@ -93,11 +92,17 @@ def _nested():
         _state.depth = depth
 
 
-def private_dir(kind: str) -> str:
-    """A new temporary directory for this worker (the caller removes it)."""
+def private_dir(kind: str, *, remove_at_exit: bool = False) -> str:
+    """A new temporary directory for this worker, `keras_dist-worker<i>-<kind>-*`.
+
+    The caller removes it; with `remove_at_exit`, so does the end of the process.
+    """
     from keras_dist import _runtime
 
-    return tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{_runtime.worker_index()}-{kind}-")
+    directory = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{_runtime.worker_index()}-{kind}-")
+    if remove_at_exit:
+        atexit.register(shutil.rmtree, directory, True)
+    return directory
 
 
 def write(path: str, write_to: Callable[[str], Any], *, in_place: bool = False,
@@ -120,6 +125,10 @@ def write(path: str, write_to: Callable[[str], Any], *, in_place: bool = False,
     if chief_path_for(path) is not None:
         return _write_per_worker_path(path, write_to)
     if is_private(path):
+        if _mirrors_chief(path) and not _nested_now():
+            pairing.arrive(pairing.next_pair(path))
+            with _nested():
+                return write_to(path)
         return write_to(path)
     with _nested() as nested:
         from keras_dist import _runtime
@@ -128,15 +137,20 @@ def write(path: str, write_to: Callable[[str], Any], *, in_place: bool = False,
             atomic = _runtime.is_chief() and not in_place
             return replace_into(path, write_to) if atomic else write_to(path)
 
-        key = _key(path)
+        pair = pairing.next_pair(path)
         if _runtime.is_chief():
-            return _chief_write(path, write_to, key, in_place)
+            return _chief_write(path, write_to, pair, in_place)
         # Another worker: whether `path` is the chief's path or this worker's own (a
         # mkdtemp() of its own), its file goes to a removed temporary; the chief's file
         # is the one that stays (tf_keras' rule).
+        pairing.arrive(pair)
         result = _private_write(path, write_to)
-        wait_for_chief(key, path)
+        pairing.wait_for_chief(pair, path)
         return path if returns_path else result
+
+
+def _nested_now() -> bool:
+    return getattr(_state, "depth", 0) > 0
 
 
 def chief_path_for(path: str) -> str | None:
@@ -156,24 +170,28 @@ def _write_per_worker_path(path, write_to):
     # right after works here too ("the chief saves, then every worker loads").
     from keras_dist import _runtime
 
-    key = _key(path)
+    pair = pairing.next_pair(path)
     if _runtime.is_chief():
-        return _chief_write(path, write_to, key, in_place=True)
+        return _chief_write(path, write_to, pair, in_place=True)
+    pairing.arrive(pair)
     result = write_to(path)
-    wait_for_chief(key, path)
+    pairing.wait_for_chief(pair, path)
     return result
 
 
-def _chief_write(path, write_to, key, in_place):
-    from keras_dist.compat import coordination
-
-    coordination.set_value(f"{key}/started", os.path.abspath(path))
+def _chief_write(path, write_to, pair, in_place):
+    pairing.started(pair, path)
     try:
-        result = write_to(path) if in_place else replace_into(path, write_to)
+        if in_place:
+            pairing.wait_for_other_workers(pair, path)
+            result = write_to(path)
+        else:
+            result = replace_into(path, write_to, before_replace=lambda: (
+                pairing.wait_for_other_workers(pair, path)))
     except BaseException as error:
-        coordination.set_value(f"{key}/done", f"error: {type(error).__name__}: {error}")
+        pairing.finished(pair, error)
         raise
-    coordination.set_value(f"{key}/done", "done")
+    pairing.finished(pair)
     return result
 
 
@@ -185,87 +203,21 @@ def _private_write(path, write_to):
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def timeout_seconds() -> float:
-    """How long another worker waits for the chief to reach a paired save."""
-    raw = os.environ.get(ENV_TIMEOUT, "").strip()
-    if not raw:
-        return _DEFAULT_TIMEOUT_SECONDS
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(
-            f"{ENV_TIMEOUT} must be a positive number of seconds (how long other workers "
-            f"wait for the chief to make the same save). Received: {ENV_TIMEOUT}={raw!r}")
-    return value
+def replace_into(path: str, write_to: Callable[[str], Any],
+                 before_replace: Callable[[], None] | None = None) -> Any:
+    """Writes via a hidden sibling, then renames it to `path` (file or directory).
 
-
-def wait_for_chief(key: str, path: str) -> None:
-    """Returns once the chief's save paired with `key` is complete.
-
-    Raises:
-        StockWriterError: The chief did not reach that save within `timeout_seconds()`,
-            or its write failed.
+    `before_replace` runs between the two: the chief waits there for the other workers
+    to be done with the file at `path`.
     """
-    from keras_dist import _runtime
-    from keras_dist.compat import coordination
-
-    timeout = timeout_seconds()
-    name, count = _key_parts(key)
-    try:
-        coordination.get_value(f"{key}/started", timeout)
-    except Exception as error:
-        text = f"{type(error).__name__}: {error}"
-        if "deadline" not in text.lower() and "timed out" not in text.lower():
-            raise StockWriterError(
-                f"Worker {_runtime.worker_index()} saved {path!r} and could not hear from "
-                f"the chief about its paired save ({text})."
-            ) from None
-        raise StockWriterError(
-            f"Worker {_runtime.worker_index()} saved {path!r}, its save number {count} of a "
-            f"file named {name!r}, but the chief made no save number {count} of a file "
-            f"named {name!r} within {timeout:g} s ({type(error).__name__}). keras_dist "
-            "pairs a save on the other workers with the chief's save of the same file "
-            "name, in order, and waits until the chief's file is complete: every worker "
-            "must make the same saves with the same file names in the same order (a save "
-            "made on the chief only, or a file name that differs per worker, breaks that). "
-            f"Set {ENV_TIMEOUT} (seconds) to wait longer for a chief that is slow to get "
-            f"there, or {ENV_SWITCH}=0 to turn keras_dist's stock-writer handling off."
-        ) from None
-    try:
-        value = coordination.get_value(f"{key}/done", _WRITE_WAIT_SECONDS)
-    except Exception as error:
-        raise StockWriterError(
-            f"The chief started its save paired with {path!r} but did not report it "
-            f"complete ({type(error).__name__}: {error})."
-        ) from None
-    if value != "done":
-        raise StockWriterError(f"The chief failed to write its file paired with {path!r}: "
-                               f"{value}")
-
-
-def _key(path: str) -> str:
-    """The pairing key of this process's next save of a file named like `path`."""
-    name = os.path.basename(os.path.abspath(path.rstrip(os.sep) or path))
-    with _counts_lock:
-        _counts[name] += 1
-        return f"{_KEY_ROOT}/{_counts[name]}/{name}"
-
-
-def _key_parts(key: str) -> tuple[str, int]:
-    count, name = key[len(_KEY_ROOT) + 1:].split("/", 1)
-    return name, int(count)
-
-
-def replace_into(path: str, write_to: Callable[[str], Any]) -> Any:
-    """Writes via a hidden sibling, then renames it to `path` (file or directory)."""
     path = path.rstrip(os.sep) or path
     directory, name = os.path.split(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     temporary = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}")
     try:
         result = write_to(temporary)
+        if before_replace is not None:
+            before_replace()
         if os.path.isdir(temporary):
             _replace_dir(temporary, path)
         else:
@@ -293,6 +245,12 @@ def _replace_dir(temporary: str, path: str) -> None:
         os.remove(old)
 
 
+def under(root: str, path: str) -> str:
+    """`path` re-rooted under `root`, keeping its structure (and `{...}` placeholders)."""
+    relative = os.path.splitdrive(os.path.abspath(path))[1].lstrip(os.sep)
+    return os.path.join(root, relative)
+
+
 def is_remote(path: str) -> bool:
     return "://" in str(path)
 
@@ -301,13 +259,11 @@ class PrivateOutput:
     """A callback's output redirected to a private directory on non-chief workers."""
 
     def __init__(self, kind: str):
-        self.directory = private_dir(kind)
-        # on_train_end removes it; this covers evaluate()-only use and crashes.
-        atexit.register(shutil.rmtree, self.directory, True)
+        # on_train_end removes it; the exit covers evaluate()-only use and crashes.
+        self.directory = private_dir(kind, remove_at_exit=True)
 
     def path_for(self, path: str) -> str:
-        relative = os.path.splitdrive(os.path.abspath(path))[1].lstrip(os.sep)
-        target = os.path.join(self.directory, relative)
+        target = under(self.directory, path)
         # Keras' writers do not create parent directories (the user's path had them).
         os.makedirs(os.path.dirname(target), exist_ok=True)
         return target
