@@ -14,8 +14,8 @@ of `keras_dist.launching.worker`, written atomically); every worker runs
 
 which serves calls in order: it waits for `call-<k>.pkl`, runs it like a one-off worker
 (same result record, same phases), writes `DIR/result-<k>-<index>.pkl` atomically and
-goes on with k+1. Between calls each worker restores its environment variables and
-working directory and clears Keras' global state (`keras.backend.clear_session`), so a
+goes on with k+1. Between calls each worker restores its environment variables (and
+`tempfile`'s cached directory) and working directory and clears Keras' global state (`keras.backend.clear_session`), so a
 call sees what a fresh worker would, except that TensorFlow's runtime, the strategy that
 `keras_dist.strategy()` created, and anything else made once per process are shared.
 It stops on `DIR/stop`, or when its parent process is gone.
@@ -261,6 +261,7 @@ def _restore(environ: dict, cwd: str) -> None:
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    tempfile.tempdir = None  # tempfile caches the directory TMPDIR named
     keras = sys.modules.get("keras")
     if keras is not None:
         keras.backend.clear_session(free_memory=False)
