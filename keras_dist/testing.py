@@ -5,7 +5,8 @@ workers, or four virtual CPU devices after something already touched TensorFlow,
 run its code in new processes. These helpers do that with the same machinery as
 `keras_dist.notebook_launcher` and `keras-dist launch` (`keras_dist.launching`), with a default timeout so a
 deadlocked collective fails the test instead of hanging it. Collect results as return
-values and assert in the test process.
+values and assert in the test process. `WorkerPool` keeps one group of workers for many
+calls (e.g. a session-scoped pytest fixture), so a suite pays the start-up once.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 from keras_dist.launching._core import WorkerError, run_function
 from keras_dist.launching.local import Options
+from keras_dist.launching.pool import WorkerPool
 
-__all__ = ["Running", "WorkerError", "run_in_subprocess", "run_on_workers", "start_on_workers"]
+__all__ = ["Running", "WorkerError", "WorkerPool", "run_in_subprocess", "run_on_workers",
+           "start_on_workers"]
 
 
 def run_on_workers(

@@ -1,6 +1,108 @@
-"""Shared test set-up. Kept light: importing TensorFlow here would slow every test."""
+"""Shared test set-up: the lanes' marker guard and the shared worker pool.
+
+Kept light: importing TensorFlow here would slow every test. Helpers that test modules
+and worker functions share (initial weights, max-diff, TFRecord files) are in
+`tests/helpers.py`, importable in worker processes too.
+
+Lanes (markers registered in setup.cfg; README's Development section): the README's
+`python -m pytest` runs every test not marked `slow`; `python -m pytest -m slow` runs the
+rest. A test that starts processes (local workers, a subprocess, a notebook kernel) must
+be marked `multiworker`, one that starts a Ray cluster `ray`: the guard below fails it
+otherwise, so a slow test cannot hide in the fast lane unmarked.
+"""
 
 import os
+import subprocess
+import sys
+import threading
+
+import pytest
 
 # Quiets TensorFlow's C++ start-up logs in this process and, inherited, in the workers.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+PROCESS_MARKERS = ("multiworker", "ray")
+_running: dict = {"item": None}
+_popen_init = subprocess.Popen.__init__
+
+
+def _starts_processes(item) -> bool:
+    return any(item.get_closest_marker(name) for name in PROCESS_MARKERS)
+
+
+def _guarded_popen_init(self, *args, **kwargs):
+    item = _running["item"]
+    # Only the test's own thread: a background thread of an earlier (marked) test's
+    # fixture may still be starting its workers.
+    if (item is not None and threading.current_thread() is threading.main_thread()
+            and not _starts_processes(item)):
+        command = args[0] if args else kwargs.get("args")
+        pytest.fail(
+            f"{item.nodeid} starts a process ({command!r}) but is not marked "
+            "@pytest.mark.multiworker (or @pytest.mark.ray for a Ray cluster). Mark it, "
+            "and mark it @pytest.mark.slow too unless it belongs in the fast lane.",
+            pytrace=False)
+    _popen_init(self, *args, **kwargs)
+
+
+def pytest_configure(config):
+    subprocess.Popen.__init__ = _guarded_popen_init
+
+
+def pytest_unconfigure(config):
+    subprocess.Popen.__init__ = _popen_init
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and ray.is_initialized())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running["item"] = item
+    ray_before = _ray_running()
+    try:
+        yield
+    finally:
+        _running["item"] = None
+    if not ray_before and _ray_running() and not item.get_closest_marker("ray"):
+        raise pytest.fail.Exception(
+            f"{item.nodeid} started a Ray cluster but is not marked @pytest.mark.ray.",
+            pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def _shared_pool():
+    from keras_dist.testing import WorkerPool
+
+    pool = WorkerPool(num_workers=2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def worker_pool(_shared_pool, request):
+    """Two local workers (`MultiWorkerMirroredStrategy` on loopback), shared by the session.
+
+    Calls run in the same two processes one after another (`keras_dist.testing.
+    WorkerPool`): use it for functions that work with `keras_dist.strategy()`'s default
+    arguments and need nothing of their own (no other strategy arguments, no virtual
+    devices, no killed worker); those use `run_on_workers`.
+    """
+    if not request.node.get_closest_marker("multiworker"):
+        pytest.fail(f"{request.node.nodeid} uses worker_pool but is not marked "
+                    "@pytest.mark.multiworker.", pytrace=False)
+    return _shared_pool
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # pytest-xdist's loadgroup: the tests on the shared pool run in one test process (one
+    # pool per session); every other test stays with its module (module-scoped fixtures
+    # are computed once).
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        group = "worker_pool" if "worker_pool" in item.fixturenames else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))

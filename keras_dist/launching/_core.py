@@ -21,7 +21,7 @@ from keras_dist import _validation
 from keras_dist.launching import worker as _worker
 from keras_dist.launching.local import Options, run_group, signal_name
 
-__all__ = ["WorkerError", "run_function"]
+__all__ = ["WorkerError", "run_function"]  # and the pieces launching.pool shares
 
 
 class WorkerError(RuntimeError):
@@ -63,16 +63,16 @@ def run_function(caller: str, fn: Callable[..., Any], args: Sequence[Any],
                  kwargs: Mapping[str, Any] | None, num_workers: int, options: Options,
                  virtual_devices: int | None = None) -> list:
     """Calls `fn(*args, **kwargs)` on `num_workers` workers; the values by worker index."""
-    _check_call(caller, fn, args, kwargs, virtual_devices)
+    check_call(caller, fn, args, kwargs, virtual_devices)
     _validation.check_int("num_workers", num_workers, minimum=1)
     _validation.check_optional_number("timeout", options.timeout, minimum=0, unit="seconds")
     directory = tempfile.mkdtemp(prefix="keras_dist_run_")
     try:
-        payload_path = _payload(caller, directory, fn, args, kwargs, virtual_devices)
+        payload_path = payload(caller, directory, fn, args, kwargs, virtual_devices)
         result_dir = os.path.join(directory, "results")
         os.mkdir(result_dir)
         env = dict(options.env or {})
-        env["PYTHONPATH"] = _pythonpath(env.get("PYTHONPATH", os.environ.get("PYTHONPATH")))
+        env["PYTHONPATH"] = pythonpath(env.get("PYTHONPATH", os.environ.get("PYTHONPATH")))
         command = [sys.executable, "-m", "keras_dist.launching.worker", payload_path,
                    result_dir]
         result = run_group(command, num_workers, dataclasses.replace(options, env=env))
@@ -82,7 +82,7 @@ def run_function(caller: str, fn: Callable[..., Any], args: Sequence[Any],
     return _collect(records, result, num_workers, caller, options.timeout)
 
 
-def _check_call(caller, fn, args, kwargs, virtual_devices) -> None:
+def check_call(caller, fn, args, kwargs, virtual_devices) -> None:
     if not callable(fn):
         raise TypeError(f"{caller}: `fn` must be callable. Received: fn={fn!r}")
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
@@ -95,7 +95,7 @@ def _check_call(caller, fn, args, kwargs, virtual_devices) -> None:
                               hint="Pass None to use the devices as they are.")
 
 
-def _payload(caller, directory, fn, args, kwargs, virtual_devices) -> str:
+def payload(caller, directory, fn, args, kwargs, virtual_devices) -> str:
     try:
         return _worker.write_payload(directory, fn, args, kwargs or {}, virtual_devices)
     except Exception as error:  # cloudpickle raises many types (TypeError, PicklingError)
@@ -121,7 +121,7 @@ def _collect(records, result, num_workers, caller, timeout) -> list:
         failed = result.failed_worker
         if failed is None:  # every worker exited 0, yet one wrote no result (os._exit)
             failed = next(i for i, r in enumerate(records) if not r or r["status"] != "ok")
-        _raise_for(failed, records[failed], result, num_workers, caller)
+        raise_for(failed, records[failed], result.worker_returncodes, num_workers, caller)
     values = []
     for index, record in enumerate(records):
         try:
@@ -135,8 +135,9 @@ def _collect(records, result, num_workers, caller, timeout) -> list:
     return values
 
 
-def _raise_for(index, record, result, num_workers, caller):
-    returncode = result.worker_returncodes[index]
+def raise_for(index, record, returncodes, num_workers, caller):
+    """Raises the WorkerError for worker `index`'s failed or missing result record."""
+    returncode = returncodes[index]
     where = f"worker {index} (of {num_workers})"
     if record is not None and record["status"] == "error":
         hint = _worker.PHASE_HINTS.get(record["phase"], "it failed")
@@ -165,7 +166,7 @@ def _raise_for(index, record, result, num_workers, caller):
     )
 
 
-def _pythonpath(existing: str | None) -> str:
+def pythonpath(existing: str | None) -> str:
     # Functions from importable modules (e.g. pytest test modules, the user's package)
     # are pickled by reference; the worker must find those modules where we found them.
     entries = [os.getcwd() if entry == "" else entry for entry in sys.path]

@@ -104,14 +104,14 @@ def load_value(record: dict) -> Any:
     return cloudpickle.loads(record["value"])
 
 
-def result_path(result_dir: str, index: int) -> str:
-    return os.path.join(result_dir, f"worker-{index}.pkl")
+def result_path(result_dir: str, index: int, prefix: str = "worker-") -> str:
+    return os.path.join(result_dir, f"{prefix}{index}.pkl")
 
 
-def read_result(result_dir: str, index: int) -> dict | None:
+def read_result(result_dir: str, index: int, prefix: str = "worker-") -> dict | None:
     """The result record of worker `index`, or `None` when it wrote none."""
     try:
-        with open(result_path(result_dir, index), "rb") as file:
+        with open(result_path(result_dir, index, prefix), "rb") as file:
             return pickle.load(file)
     except FileNotFoundError:
         return None
@@ -125,7 +125,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             "usage: python -m keras_dist.launching.worker PAYLOAD_PATH RESULT_DIR\n")
         return 2
     payload_path, result_dir = argv
-    destination = result_path(result_dir, _task_index())
+    record = run_payload(payload_path)
+    write_atomically(result_path(result_dir, task_index()), record)
+    if record["status"] == "error":
+        # Also in the streamed log, so it is visible even before the parent raises.
+        sys.stderr.write(record["traceback"])
+        sys.stderr.flush()
+        return 1
+    sys.stdout.flush()
+    return 0
+
+
+def run_payload(payload_path: str) -> dict:
+    """Loads the payload at `payload_path`, runs it, and returns its result record."""
     phase = "load"
     try:
         with open(payload_path, "rb") as file:
@@ -137,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if payload["virtual_devices"]:
             phase = "virtual_devices"
-            _setup_virtual_devices(payload["virtual_devices"])
+            setup_virtual_devices(payload["virtual_devices"])
             phase = "load"
         for filename, lines in payload.get("sources", {}).items():
             # mtime None: linecache.checkcache() keeps the entry although no file exists.
@@ -146,20 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         phase = "call"
         value = fn(*args, **kwargs)
         phase = "result"
-        record = {"status": "ok", "value": cloudpickle.dumps(value)}
+        return {"status": "ok", "value": cloudpickle.dumps(value)}
     except SystemExit as error:
         # Exiting from inside the function would otherwise look like a silent success.
-        record = _error_record(phase, error, f"the function called sys.exit({error.code!r})")
+        return _error_record(phase, error, f"the function called sys.exit({error.code!r})")
     except Exception as error:  # noqa: BLE001 - every failure is reported to the parent
-        record = _error_record(phase, error, traceback.format_exc())
-    _write_atomically(destination, record)
-    if record["status"] == "error":
-        # Also in the streamed log, so it is visible even before the parent raises.
-        sys.stderr.write(record["traceback"])
-        sys.stderr.flush()
-        return 1
-    sys.stdout.flush()
-    return 0
+        return _error_record(phase, error, traceback.format_exc())
 
 
 def _error_record(phase: str, error: BaseException, traceback_text: str) -> dict:
@@ -172,7 +176,7 @@ def _error_record(phase: str, error: BaseException, traceback_text: str) -> dict
     }
 
 
-def _write_atomically(path: str, record: dict) -> None:
+def write_atomically(path: str, record: dict) -> None:
     # The parent may read the directory right after a kill: never leave half a file.
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "wb") as file:
@@ -180,7 +184,7 @@ def _write_atomically(path: str, record: dict) -> None:
     os.replace(temporary, path)
 
 
-def _task_index() -> int:
+def task_index() -> int:
     # Deliberately not ClusterConfig: this must work before (and without) anything else
     # in keras_dist is imported, and the launcher wrote this TF_CONFIG itself.
     raw = os.environ.get("TF_CONFIG", "").strip()
@@ -192,7 +196,7 @@ def _task_index() -> int:
         return 0
 
 
-def _setup_virtual_devices(count: int) -> None:
+def setup_virtual_devices(count: int) -> None:
     import importlib
 
     try:
