@@ -73,7 +73,15 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.fixture(scope="session")
-def _shared_pool():
+def worker_pool():
+    """Two local workers (`MultiWorkerMirroredStrategy` on loopback), shared by the session.
+
+    Calls run in the same two processes one after another (`keras_dist.testing.
+    WorkerPool`): use it for functions that work with `keras_dist.strategy()`'s default
+    arguments and need nothing of their own (no other strategy arguments, no virtual
+    devices, no killed worker, no environment set before TensorFlow starts); those use
+    `run_on_workers`. Session-scoped, so module-scoped fixtures can use it too.
+    """
     from keras_dist.testing import WorkerPool
 
     pool = WorkerPool(num_workers=2)
@@ -81,28 +89,42 @@ def _shared_pool():
     pool.close()
 
 
-@pytest.fixture
-def worker_pool(_shared_pool, request):
-    """Two local workers (`MultiWorkerMirroredStrategy` on loopback), shared by the session.
-
-    Calls run in the same two processes one after another (`keras_dist.testing.
-    WorkerPool`): use it for functions that work with `keras_dist.strategy()`'s default
-    arguments and need nothing of their own (no other strategy arguments, no virtual
-    devices, no killed worker); those use `run_on_workers`.
-    """
-    if not request.node.get_closest_marker("multiworker"):
-        pytest.fail(f"{request.node.nodeid} uses worker_pool but is not marked "
-                    "@pytest.mark.multiworker.", pytrace=False)
-    return _shared_pool
+# Test modules that take longest, started first so that the two test processes finish
+# together (pytest-xdist hands out whole modules in this order; the rest follow in
+# collection order). From `--durations=0` on the CI machine.
+LONGEST_FIRST = ("test_sparse_gradients", "test_tutorials", "test_stock_optimizer", "test_ray",
+                 "test_fault_tolerance", "test_parallel_pipeline", "test_notebook_launcher",
+                 "test_benchmarks", "test_notebooks", "test_rendezvous", "test_compat")
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    # pytest-xdist's loadgroup: the tests on the shared pool run in one test process (one
-    # pool per session); every other test stays with its module (module-scoped fixtures
-    # are computed once).
     for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        group = "worker_pool" if "worker_pool" in item.fixturenames else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
+        if "worker_pool" in item.fixturenames and not item.get_closest_marker("multiworker"):
+            raise pytest.UsageError(f"{item.nodeid} uses worker_pool (directly or through a "
+                                    "fixture) but is not marked @pytest.mark.multiworker.")
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable
+
+
+def _uses_the_pool(module_path: str) -> bool:
+    try:
+        with open(module_path) as file:
+            return "worker_pool" in file.read()
+    except OSError:
+        return False
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist: whole modules per test process; the modules on the shared worker pool
+    all in one (one pool per test process, started once)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = str(config.rootpath)
+
+    class ModulesAndPool(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return "worker_pool" if _uses_the_pool(os.path.join(root, module)) else module
+
+    config.option.loadscopereorder = False  # keep LONGEST_FIRST's order
+    return ModulesAndPool(config, log)

@@ -1,13 +1,13 @@
 """Gradient aggregation and its callbacks on 2 real workers (MultiWorkerMirroredStrategy).
 
-One launch of 2 local workers (1 CPU replica each) runs every check; the single-device
-references are trained in this process (default strategy, same global batch).
+One call on the session's 2 shared workers (1 CPU replica each; tests/conftest.py's
+`worker_pool`) runs every check; the single-device references are trained in this process
+(default strategy, same global batch).
 """
 
 import numpy as np
 import pytest
 
-from keras_dist.testing import run_on_workers
 from test_aggregation import _data, _max_diff, _train
 from test_compat_loss_scale import INITIAL_SCALE, _model, _poisoned_data
 
@@ -80,8 +80,8 @@ def _on_each_worker():
 
 
 @pytest.fixture(scope="module")
-def workers():
-    return run_on_workers(_on_each_worker, num_workers=2, timeout=400)
+def workers(worker_pool):
+    return worker_pool.run(_on_each_worker, timeout=400)
 
 
 @pytest.fixture(scope="module")

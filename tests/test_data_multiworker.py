@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_dist.testing import run_on_workers
 
 pytestmark = pytest.mark.multiworker
 
@@ -102,13 +101,13 @@ def _reading_worker(many_files_glob, one_file):
 
 
 @pytest.mark.timeout(400)
-def test_each_worker_reads_only_its_shard(tmp_path):
+def test_each_worker_reads_only_its_shard(tmp_path, worker_pool):
     (tmp_path / "many").mkdir()
     (tmp_path / "one").mkdir()
     _write_tfrecords(tmp_path / "many", num_files=4, per_file=250)
     _write_tfrecords(tmp_path / "one", num_files=1, per_file=NUM_EXAMPLES)
-    results = run_on_workers(
-        _reading_worker, 2, timeout=300,
+    results = worker_pool.run(
+        _reading_worker, timeout=300,
         args=(str(tmp_path / "many" / "*.tfrecord"),
               str(tmp_path / "one" / "part-00.tfrecord")),
     )
@@ -196,8 +195,8 @@ def _training_worker():
 
 
 @pytest.mark.timeout(400)
-def test_uneven_data_trains_evaluates_predicts_without_hanging():
-    first, second = run_on_workers(_training_worker, 2, timeout=300)
+def test_uneven_data_trains_evaluates_predicts_without_hanging(worker_pool):
+    first, second = worker_pool.run(_training_worker, timeout=300)
     assert first["steps"] == second["steps"] == (63, 63)
     assert first["weights"] == second["weights"]  # in sync after every fit
     assert first["loss"] == second["loss"] and first["loss"][-1] < first["loss"][0]

@@ -1,14 +1,14 @@
 """Stock Keras/TensorFlow writers called by every worker with one path (issue 10).
 
-One 2-worker run exercises every writer (a process start costs ~10 s here); the
-workers return what they saw and the assertions run in the test process.
+One call on the session's 2 shared workers (tests/conftest.py's `worker_pool`) exercises
+every writer, another saves one path again and again; the workers return what they saw
+and the assertions run in the test process.
 """
 
 import os
 
 import pytest
 
-from keras_dist.testing import run_on_workers
 
 WRITERS_TIMEOUT = 240
 
@@ -47,7 +47,7 @@ def _watch_for_partial_zip(path, stop, seen_bad):
                 seen_bad.append(repr(error))
 
 
-def _every_writer(root):
+def _every_writer(root, temp):
     import shutil
     import sys
     import tempfile
@@ -61,6 +61,8 @@ def _every_writer(root):
     from keras_dist.checkpointing import stock_writers as _writers
     from keras_dist.compat import _patch
 
+    os.environ["TMPDIR"] = temp  # this call's own (the pool restores it afterwards)
+    tempfile.tempdir = None
     strategy = keras_dist.strategy()
     index = keras_dist.worker_index()
     with strategy.scope():
@@ -181,13 +183,14 @@ def _every_writer(root):
     return out
 
 
-def test_every_stock_writer_on_one_path(tmp_path):
+@pytest.mark.multiworker
+def test_every_stock_writer_on_one_path(tmp_path, worker_pool):
     root, temp = tmp_path / "shared", tmp_path / "tmp"
     root.mkdir()
     temp.mkdir()
     (root / "per_worker").mkdir()
-    results = run_on_workers(_every_writer, num_workers=2, args=(str(root),),
-                             timeout=WRITERS_TIMEOUT, env={"TMPDIR": str(temp)})
+    results = worker_pool.run(_every_writer, args=(str(root), str(temp)),
+                              timeout=WRITERS_TIMEOUT)
     for out in results:
         assert out["partial_zip_seen"] == [], out
         assert out["keras_loads"] and out["weights_load"], out
@@ -241,6 +244,7 @@ def _single_process_unchanged(path):
     return sorted(os.listdir(os.path.dirname(path)))
 
 
+@pytest.mark.multiworker
 def test_one_process_writes_in_place(tmp_path):
     from keras_dist.testing import run_in_subprocess
 
@@ -318,10 +322,10 @@ def _save_and_load_repeatedly(root, saves):
 
 
 @pytest.mark.multiworker
-def test_repeated_saves_of_one_path_load_back_what_each_save_wrote(tmp_path):
+def test_repeated_saves_of_one_path_load_back_what_each_save_wrote(tmp_path, worker_pool):
     saves = 12
-    results = run_on_workers(_save_and_load_repeatedly, num_workers=2,
-                             args=(str(tmp_path), saves), timeout=WRITERS_TIMEOUT)
+    results = worker_pool.run(_save_and_load_repeatedly, args=(str(tmp_path), saves),
+                              timeout=WRITERS_TIMEOUT)
     for worker, result in enumerate(results):
         bad = [(number, outcome) for number, outcome in enumerate(result["outcomes"])
                if outcome[0] != "ok"]
