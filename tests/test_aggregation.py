@@ -230,12 +230,16 @@ def test_one_replica_is_the_identity_and_features_still_work():
 
 
 # -- several replicas (MirroredStrategy, 2 and 4 virtual devices) ----------------------
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_mirrored_equals_single_device(mirrored):
     assert mirrored["replicas"] == [2, 4]
     assert mirrored["plain_2"] < 1e-5
     assert mirrored["plain_4"] < 1e-5
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_clipnorm_after_all_reduce_equals_single_device_global_clipnorm(mirrored):
     assert mirrored["clip_moves_weights"] > 1e-3, "the clip must be active in this test"
     assert mirrored["clip_2"] < 1e-5
@@ -243,6 +247,8 @@ def test_clipnorm_after_all_reduce_equals_single_device_global_clipnorm(mirrored
     assert mirrored["keras_clip_2_hooked"] < 1e-5
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_stock_keras_clipping_acts_on_the_aggregated_gradient(mirrored):
     # Upstream clips each replica's local gradient before the all-reduce; under
     # keras_dist.strategy() the clip_after_all_reduce fix makes it one-device clipping
@@ -251,6 +257,8 @@ def test_stock_keras_clipping_acts_on_the_aggregated_gradient(mirrored):
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam", "lso"])
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_accumulation_equals_single_device_with_k_times_the_batch(mirrored, name):
     assert mirrored[f"acc_{name}_2"] < 1e-5
     all_reduces, iterations, reference_iterations = mirrored[f"acc_{name}_2_counts"]
@@ -258,16 +266,22 @@ def test_accumulation_equals_single_device_with_k_times_the_batch(mirrored, name
     assert iterations == reference_iterations == 4
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_accumulation_compression_and_clipping_compose(mirrored):
     assert mirrored["acc_bf16_clip_4"] < 2e-3
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_compression_within_documented_tolerance(mirrored):
     assert mirrored["bf16_4"] < 2e-3
     assert mirrored["fp16_4"] < 3e-4
     assert mirrored["bf16_4_fallbacks"] == mirrored["fp16_4_fallbacks"] == 0
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_fp16_overflow_falls_back_to_float32(mirrored):
     assert mirrored["fp16_overflow_finite"]
     fallbacks, rounds = mirrored["fp16_overflow_fallbacks"]
@@ -275,6 +289,8 @@ def test_fp16_overflow_falls_back_to_float32(mirrored):
     assert mirrored["fp16_overflow_2"] == 0.0
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_gradient_norm_is_the_single_device_norm(mirrored):
     assert mirrored["norm_2_first_step"] == pytest.approx(mirrored["norm_by_hand"], rel=1e-5)
     assert mirrored["norm_2_epoch"][0] > 0

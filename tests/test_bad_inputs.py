@@ -345,6 +345,7 @@ CASES = _cases()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.api}: {c.call}" for c in CASES])
+@pytest.mark.multiworker
 def test_bad_input_is_refused_clearly(case, monkeypatch):
     for name, value in (case.env or {}).items():
         if value is None:

@@ -27,6 +27,8 @@ def _late_worker(sleep_seconds, timeout_seconds):
     return {"message": None}
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_barrier_timeout_names_the_missing_worker():
     chief, late = run_on_workers(_late_worker, num_workers=2, args=(6, 2), timeout=90)
     assert late == {"late": True}

@@ -82,6 +82,8 @@ def _four_replica_arithmetic():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_four_replicas():
     result = run_in_subprocess(_four_replica_arithmetic, virtual_devices=4, timeout=180)
     assert result["replicas"] == 4

@@ -51,6 +51,8 @@ def _run_smoke(name, tmp_path):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_overhead_smoke(tmp_path):
     _, result = _run_smoke("overhead", tmp_path)
     assert set(result["variants"]) == {"plain", "strategy", "strategy+data", "keras_dist"}
@@ -62,6 +64,7 @@ def test_overhead_smoke(tmp_path):
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_scaling_smoke(tmp_path):
     results, result = _run_smoke("scaling", tmp_path)
     assert result["strategies"] == ["MirroredStrategy",
@@ -72,6 +75,7 @@ def test_scaling_smoke(tmp_path):
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_input_sharding_smoke(tmp_path):
     _, result = _run_smoke("input_sharding", tmp_path)
     # Exact counts: keras_dist maps half the data per worker, the seed all of it.
@@ -83,6 +87,7 @@ def test_input_sharding_smoke(tmp_path):
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_communication_smoke(tmp_path):
     _, result = _run_smoke("communication", tmp_path)
     paths = {row["path"] for row in result["allreduce"]}
@@ -98,6 +103,7 @@ def test_communication_smoke(tmp_path):
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_buckets_smoke(tmp_path):
     _, result = _run_smoke("buckets", tmp_path)
     rows = result["sweeps"]["loopback"]["rows"]
@@ -128,6 +134,7 @@ def test_bucket_rule_takes_the_best_worst_case():
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_engine_smoke(tmp_path):
     _, result = _run_smoke("engine", tmp_path)
     row = result["rows"][0]
@@ -158,6 +165,8 @@ def test_engine_profile_buckets():
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_memory_smoke(tmp_path):
     _, result = _run_smoke("memory", tmp_path)
     variants = result["variants"]
@@ -167,6 +176,7 @@ def test_memory_smoke(tmp_path):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.multiworker
 def test_cli_bench_allreduce(tmp_path, capsys):
     # One worker keeps it short; the 2-worker sweep runs in test_communication_smoke.
     from keras_dist.cli import main

@@ -198,12 +198,16 @@ def two_replicas():
     return run_in_subprocess(_two_replica_checks, virtual_devices=2, timeout=300)
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_replica_sync_check_passes_when_in_sync(two_replicas):
     assert two_replicas["in_sync"] == "passed"
     assert two_replicas["per_replica_ratio"] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("name", ["kernel", "momentum"])
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_replica_sync_check_names_the_divergent_variable(two_replicas, name):
     assert two_replicas[name] is not None, "the divergence must be caught"
     path, message = two_replicas[name]

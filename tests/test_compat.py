@@ -50,6 +50,7 @@ def _seed_example(epochs=3):
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow
 def test_seed_example_trains_on_two_workers_with_the_fix():
     results = run_on_workers(_seed_example, num_workers=2, timeout=240)
     chief, other = results
@@ -74,6 +75,7 @@ def test_seed_example_trains_on_two_workers_with_the_fix():
         ("reduce_per_replica_scalar", "Invalid reduction dimension 0"),
     ],
 )
+@pytest.mark.slow
 def test_seed_example_fails_without_each_fix(disabled, upstream_error):
     with pytest.raises(WorkerError, match=upstream_error):
         run_on_workers(
@@ -93,6 +95,8 @@ def _fixes_applied():
     return compat.applied(), compat.probe_report()
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_strategy_applies_exactly_the_fixes_whose_bug_the_probe_finds():
     applied, report = run_in_subprocess(_fixes_applied, timeout=120)
     assert set(applied) == set(report)
@@ -130,6 +134,8 @@ def _equivalence(steps=5):
         tf.distribute.OneDeviceStrategy("/cpu:0"))
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_four_virtual_devices_match_one_device_with_the_same_global_batch():
     replicas, distributed, single = run_in_subprocess(_equivalence, timeout=180)
     assert replicas == 4

@@ -104,6 +104,8 @@ def without_fix():
                              env={"KERAS_DIST_DISABLE_COMPAT": FIX})
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_overflow_on_replica_1_skips_the_step_everywhere(with_fix):
     lso = with_fix["lso"]
     assert lso["finite"]
@@ -114,6 +116,8 @@ def test_overflow_on_replica_1_skips_the_step_everywhere(with_fix):
         np.testing.assert_allclose(got, expected, atol=1e-5)
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_overflow_skips_with_accumulation_and_mixed_precision(with_fix):
     # With accumulation_steps=2 the poisoned micro-step is dropped: one clean micro-step
     # is not yet an update.
@@ -127,6 +131,8 @@ def test_overflow_skips_with_accumulation_and_mixed_precision(with_fix):
     assert mixed["iterations"] == 1
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_without_the_fix_the_overflow_reaches_the_weights(without_fix):
     # Pins the upstream bug: only replica 0's (finite) gradients were checked, so the
     # poisoned step was applied. (The scale is halved only by the next step, whose

@@ -195,6 +195,7 @@ def _training_worker():
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow
 def test_uneven_data_trains_evaluates_predicts_without_hanging(worker_pool):
     first, second = worker_pool.run(_training_worker, timeout=300)
     assert first["steps"] == second["steps"] == (63, 63)

@@ -9,6 +9,7 @@ import pytest
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_demo_trains_on_two_workers_and_reports_from_the_chief_only():
     completed = subprocess.run(
         [sys.executable, "-m", "keras_dist", "demo", "--workers", "2", "--epochs", "4"],
@@ -34,6 +35,8 @@ NOISE = ("absl::InitializeLog()", "cudart_stub", "cuInit", "oneDNN",
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_demo_verbose_brings_tensorflows_start_up_logs_back():
     completed = subprocess.run(
         [sys.executable, "-m", "keras_dist", "demo", "--workers", "1", "--epochs", "1",
@@ -46,6 +49,7 @@ def test_demo_verbose_brings_tensorflows_start_up_logs_back():
     assert "`shuffle=True` was passed" in output
 
 
+@pytest.mark.multiworker
 def test_demo_rejects_bad_arguments():
     completed = subprocess.run(
         [sys.executable, "-m", "keras_dist", "demo", "--workers", "0"],

@@ -20,6 +20,7 @@ def _doctor(*args, env=None):
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_doctor_passes_here_with_a_two_worker_self_test():
     completed = _doctor()
     lines = completed.stdout.splitlines()
@@ -37,6 +38,7 @@ def test_doctor_passes_here_with_a_two_worker_self_test():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.multiworker
 def test_doctor_fails_clearly_with_a_broken_tf_config():
     broken = json.dumps({"cluster": {"worker": ["127.0.0.1:1234"]},
                          "task": {"type": "worker", "index": 3}})

@@ -123,6 +123,7 @@ def test_kill_9_of_one_worker_stops_the_group_fast_and_names_it(tmp_path):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_a_stuck_peer_is_an_error_with_a_collective_timeout(tmp_path):
     # Worker 1 stays alive but stops taking part (paused in a callback for up to 60 s);
     # heartbeats still arrive, so only the collective timeout can end the wait.
@@ -146,6 +147,7 @@ def test_a_stuck_peer_is_an_error_with_a_collective_timeout(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_crash_with_max_restarts_resumes_from_the_backup(tmp_path, reference):
     out_dir = str(tmp_path)
     launcher = _cli("--workers", "2", "--max-restarts", "1", FT_TRAIN, out_dir,
@@ -185,6 +187,7 @@ def _launch_in_thread(argv, timeout):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_sigterm_to_one_worker_saves_on_all_and_a_restart_resumes(tmp_path, reference):
     out_dir, backup_dir = str(tmp_path), str(tmp_path / "backup")
     argv = [sys.executable, FT_TRAIN, out_dir, "--epochs", str(EPOCHS), "--backup", backup_dir]

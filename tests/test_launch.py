@@ -18,6 +18,8 @@ import pytest
 from keras_dist import cli
 from keras_dist.launch import LaunchResult, free_ports, launch, launch_script
 
+pytestmark = pytest.mark.multiworker
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
 REPORT_ENV = os.path.join(WORKERS, "report_env.py")
@@ -473,6 +475,7 @@ def test_the_root_cause_comes_last():
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_the_root_cause_is_the_worker_that_raised_while_the_other_was_in_a_collective():
     output = io.StringIO()
     result = launch([sys.executable, os.path.join(WORKERS, "collective_failure.py")], 2,

@@ -50,6 +50,7 @@ def _legacy_fit():
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_legacy_keras_multi_worker_fit():
     results = run_on_workers(_legacy_fit, num_workers=2, timeout=240,
                              env={"TF_USE_LEGACY_KERAS": "1"})

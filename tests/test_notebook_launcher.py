@@ -12,6 +12,8 @@ import pytest
 from keras_dist.notebook import WorkerError, notebook_launcher
 from keras_dist.testing import run_in_subprocess, run_on_workers
 
+pytestmark = pytest.mark.multiworker
+
 
 # Module-level functions travel by reference: the workers import this test module.
 def task_index():
@@ -88,6 +90,7 @@ def test_args_kwargs_and_env_reach_the_workers():
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_output_streams_into_sys_stdout_with_worker_prefixes(capsys):
     notebook_launcher(lambda: print(f"step done on {task_index()}"), num_workers=2)
     out = capsys.readouterr().out
@@ -226,6 +229,7 @@ def all_reduce_task_numbers():
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_multi_worker_all_reduce_after_the_caller_imported_tensorflow():
     import tensorflow as tf  # the parent's runtime is initialised; workers are fresh
 
@@ -240,6 +244,7 @@ def logical_cpu_count():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_virtual_devices_are_set_up_before_the_function_runs():
     assert run_in_subprocess(logical_cpu_count, virtual_devices=4) == 4
 
@@ -287,6 +292,7 @@ notebook_launcher(progress, num_workers=2)
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_notebook_launcher_in_a_real_jupyter_kernel():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -5,6 +5,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.multiworker
+
 nbformat = pytest.importorskip("nbformat", reason="notebook tests need the [test] extras")
 nbclient = pytest.importorskip("nbclient", reason="notebook tests need the [test] extras")
 
@@ -22,7 +24,10 @@ def test_there_are_at_least_three_clean_notebooks():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+# The quickstart in the fast lane, the others in the slow lane.
+@pytest.mark.parametrize("path", [
+    pytest.param(path, id=path.stem, marks=[] if path.stem.startswith("01_") else
+                 [pytest.mark.slow]) for path in NOTEBOOKS])
 def test_notebook_executes(path, monkeypatch):
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
     monkeypatch.setenv("MPLBACKEND", "Agg")

@@ -7,7 +7,11 @@ tests/test_parallel_sharded.py) runs in ONE fresh process with 4 logical devices
 part of it. The hybrid case runs on 2 launched workers.
 """
 
+import pytest
+
 from keras_dist.testing import run_in_subprocess, run_on_workers
+
+pytestmark = pytest.mark.multiworker
 
 TOLERANCE = 1e-5
 
@@ -76,6 +80,7 @@ def _equivalence_matrix():
     return diffs
 
 
+@pytest.mark.slow
 def test_pipeline_equals_unsplit_model_sgd_and_adam():
     diffs = local_results()["equivalence"]
     assert len(diffs) == 32
@@ -144,6 +149,7 @@ def _reductions():
     return {"diffs": diffs, "remat_call_losses": refusal}
 
 
+@pytest.mark.slow
 def test_every_loss_reduction_and_sample_weight_equal_the_unsplit_model():
     result = local_results()["reductions"]
     assert len(result["diffs"]) == 6
@@ -202,6 +208,7 @@ def _placement_save_load():
             "loaded_slots": len(loaded.optimizer.variables) == len(pipe.optimizer.variables)}
 
 
+@pytest.mark.slow
 def test_variables_on_their_stage_device_weights_order_and_save_load():
     result = local_results()["placement"]
     assert result["same_order"]
@@ -214,6 +221,7 @@ def test_variables_on_their_stage_device_weights_order_and_save_load():
     assert result["load_diff"] == 0.0 and result["predict_diff"] < TOLERANCE
 
 
+@pytest.mark.slow
 def test_slot_placement_fix_is_needed():
     # The fix's reason, measured: without it every slot lands on one device.
     assert len(local_results()["placement"]["unfixed_slots"]) == 1
@@ -252,6 +260,7 @@ def _bad_inputs():
     }
 
 
+@pytest.mark.slow
 def test_bad_inputs_get_clear_errors():
     errors = local_results()["bad"]
     assert errors["auto"] == [1, 1]
@@ -352,6 +361,7 @@ def test_pipeline_in_each_of_two_workers_equals_one_device():
         assert result["vs_one_device"] < TOLERANCE, result["vs_one_device"]
 
 
+@pytest.mark.slow
 def test_pipeline_benchmark_smoke_through_the_runner(tmp_path, capsys):
     import json
     import os

@@ -306,6 +306,7 @@ def test_missing_tools_and_privileges_give_clear_errors(monkeypatch, tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.multiworker
 def test_run_in_link_leaves_no_process_behind():
     # A launched worker runs in its own session (setsid), out of reach of the link
     # process's group; a stray one (e.g. stuck in a collective) must still not outlive

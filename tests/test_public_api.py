@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import keras_dist
 
 # DESIGN.md "Public API (names to keep stable)" and the import paths issue 11 names.
@@ -36,6 +38,7 @@ def _readme_names():
     return sorted(name.replace("integrations.ray", "integrations") for name in names)
 
 
+@pytest.mark.multiworker
 def test_every_contract_and_readme_name_resolves_after_import_keras_dist_alone():
     # A fresh interpreter: nothing but `import keras_dist` may have run before.
     names = sorted(set(CONTRACT) | set(_readme_names()))

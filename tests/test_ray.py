@@ -37,7 +37,7 @@ ray = pytest.importorskip("ray")
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.tensorflow import TensorflowTrainer  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 # Two training workers share the 2 logical CPUs with Ray Train's and Ray Data's actors.
 _SCALING = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5})
@@ -306,6 +306,7 @@ def run(request):
     return request.getfixturevalue(f"{request.param}_run")
 
 
+@pytest.mark.slow
 def test_ray_train_api_as_intended(run, request):
     _, result, workers = run
     api = request.node.callspec.params["run"]
@@ -316,6 +317,7 @@ def test_ray_train_api_as_intended(run, request):
         assert worker["api"].startswith("ray.train.v2") == (api == "v2"), worker["api"]
 
 
+@pytest.mark.slow
 def test_two_worker_fit_equals_one_device_chief_only_outputs(run, reference_weights):
     out, result, workers = run
     assert [w["replicas"] for w in workers] == [2, 2]
@@ -337,6 +339,7 @@ def test_two_worker_fit_equals_one_device_chief_only_outputs(run, reference_weig
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_worker_killed_ray_restarts_group_and_resumes_from_backup(v2_run):
     out, _, workers = v2_run
     assert (out / "killed").exists()
@@ -352,6 +355,7 @@ def test_worker_killed_ray_restarts_group_and_resumes_from_backup(v2_run):
     assert workers[0]["loss"][-1] < workers[0]["loss"][0]
 
 
+@pytest.mark.slow
 def test_ray_data_shard_input(run):
     _, _, workers = run
     # Ray split the rows; keras_dist did not shard again (that would keep a quarter).
@@ -361,6 +365,7 @@ def test_ray_data_shard_input(run):
         np.testing.assert_allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_ray_documented_tensorflow_trainer_example(run):
     _, result, workers = run
     print(workers[0]["docs_keras"])
@@ -373,6 +378,7 @@ def _tensorflow_ports(worker):
     return {address.rsplit(":", 1)[1] for address in worker["tf_config"]["cluster"]["worker"]}
 
 
+@pytest.mark.slow
 def test_ray_processes_listen_and_talk_on_loopback_only(v2_run, v1_run):
     workers = v2_run[2] + v1_run[2]
     # TensorFlow's servers, of both runs: the xfail below; the rest is Ray's.
@@ -396,6 +402,7 @@ def test_ray_processes_listen_and_talk_on_loopback_only(v2_run, v1_run):
     "TensorFlow's gRPC server (tf.distribute.Server, started by MultiWorkerMirrored"
     "Strategy) listens on all interfaces ('*:port') whatever host TF_CONFIG names; "
     "measured with ss on TF 2.21 (the same server keras-dist launch starts). Not Ray's."))
+@pytest.mark.slow
 def test_tensorflow_grpc_server_listens_on_loopback_only(v2_run):
     _, _, workers = v2_run
     for worker in workers:

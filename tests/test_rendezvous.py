@@ -18,6 +18,8 @@ import pytest
 from keras_dist.cluster import make_tf_config
 from keras_dist.launch import free_ports
 
+pytestmark = pytest.mark.multiworker
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START = os.path.join(REPO_ROOT, "tests", "workers", "start_strategy.py")
 
@@ -89,6 +91,7 @@ def test_a_missing_peer_is_named_when_the_startup_timeout_ends(start, monkeypatc
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(150)
+@pytest.mark.slow
 def test_a_duplicate_task_index_fails_fast_on_both_processes(start):
     addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
     first = start(addresses, 0)
@@ -107,6 +110,7 @@ def test_a_duplicate_task_index_fails_fast_on_both_processes(start):
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(150)
+@pytest.mark.slow
 def test_a_port_in_use_fails_fast_and_stops_the_peers(start):
     addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
     port = int(addresses[0].rsplit(":", 1)[1])
@@ -129,6 +133,7 @@ def test_a_port_in_use_fails_fast_and_stops_the_peers(start):
 @pytest.mark.multiworker
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("order", ["strategy", "--op-first"])
+@pytest.mark.slow
 def test_sigterm_while_waiting_for_peers_ends_the_process(start, order):
     addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
     # A SIGTERM handler that only records the signal, as TensorFlow's preemption one.
@@ -148,6 +153,7 @@ def test_sigterm_while_waiting_for_peers_ends_the_process(start, order):
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(150)
+@pytest.mark.slow
 def test_sigterm_ends_a_worker_blocked_in_a_collective_whose_peer_is_gone(start):
     # Worker 0 records SIGTERM (as TensorFlow's preemption handler does) and sits in an
     # all-reduce that worker 1 never joins: the handler cannot run, the worker still ends.

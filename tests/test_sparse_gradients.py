@@ -24,7 +24,7 @@ import pytest
 from keras_dist.testing import run_in_subprocess, start_on_workers
 
 # The matrix fixtures train every case before the first test that uses them returns.
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.multiworker, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 MODELS = ("bert", "gpt2", "convnet")
 OPTIONS = ("none", "clipnorm", "bf16", "fp16", "accumulate")

@@ -16,7 +16,7 @@ import pytest
 from keras_dist.testing import run_in_subprocess, start_on_workers
 
 # The fixtures train every case before the first test that uses them returns.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.multiworker, pytest.mark.slow, pytest.mark.timeout(900)]
 
 GLOBAL_BATCH = 16
 EXAMPLES = 64

@@ -245,6 +245,7 @@ def _single_process_unchanged(path):
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow
 def test_one_process_writes_in_place(tmp_path):
     from keras_dist.testing import run_in_subprocess
 

@@ -139,6 +139,7 @@ def _collectives_for_three_large_tensors(chosen):
     return sum(op.type == "CollectiveReduceV2" for op in graph.get_operations())
 
 
+@pytest.mark.multiworker
 def test_no_cluster_gives_one_device_mirrored_with_a_cluster_resolver():
     result = run_in_subprocess(_no_cluster_choice, timeout=120)
     assert result["replicas"] == 1
@@ -153,6 +154,7 @@ def test_no_cluster_gives_one_device_mirrored_with_a_cluster_resolver():
     assert result["cross_device_ops"] == [True, True, True]
 
 
+@pytest.mark.multiworker
 def test_four_virtual_devices_give_mirrored_with_four_replicas():
     result = run_in_subprocess(_factory_choices, timeout=120)
     assert result["names"] == [f"/device:CPU:{i}" for i in range(4)]
@@ -172,6 +174,7 @@ def test_four_virtual_devices_give_mirrored_with_four_replicas():
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow
 def test_two_launched_workers_give_multi_worker_strategy():
     results = run_on_workers(_multi_worker_choice, num_workers=2, timeout=180)
     assert [r["type"] for r in results] == ["MultiWorkerMirroredStrategy"] * 2
@@ -278,6 +281,7 @@ def test_virtual_devices_validates_arguments():
         keras_dist.virtual_devices(2, "TPU")
 
 
+@pytest.mark.multiworker
 def test_strategy_name_is_the_function_under_every_import_form():
     # `keras_dist.strategy` is the factory; the old module path keeps working for the
     # names it exported, whichever import a user writes first. Fresh interpreters: the

@@ -9,6 +9,8 @@ import pytest
 
 from keras_dist.testing import run_in_subprocess, run_on_workers
 
+pytestmark = pytest.mark.multiworker
+
 
 def _fit_around_tfsm_layer(export_dir):
     import numpy as np
@@ -41,6 +43,7 @@ def _fit_around_tfsm_layer(export_dir):
     return type(strategy).__name__, history.history["loss"]
 
 
+@pytest.mark.slow
 def test_tfsm_layer_model_fits_on_one_device(tmp_path):
     # Under TF's default strategy Keras builds the momentum slots inside the traced step
     # and fails with "'..._kernel:0_momentum' is not a valid scope name".
@@ -78,6 +81,7 @@ def _data_before_strategy():
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow
 def test_datasets_built_before_the_strategy_on_two_workers():
     results = run_on_workers(_data_before_strategy, num_workers=2, timeout=120)
     assert [r["task"] for r in results] == [["worker", 0], ["worker", 1]]
@@ -96,6 +100,7 @@ def _data_before_strategy_with_virtual_devices():
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow
 def test_virtual_devices_survive_an_op_before_the_strategy():
     results = run_on_workers(_data_before_strategy_with_virtual_devices, num_workers=2,
                              timeout=120, virtual_devices=2)
@@ -130,6 +135,7 @@ def _strategy_after_too_early_op():
     return messages
 
 
+@pytest.mark.slow
 def test_op_before_the_cluster_is_known_gets_a_clear_error():
     (late_config, late_import) = run_in_subprocess(_strategy_after_too_early_op, timeout=120)
     assert late_config[0] == "builtins"

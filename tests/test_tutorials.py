@@ -12,7 +12,7 @@ script's docstring lists its changes). Every tutorial runs in three modes:
 * `two_devices`: one process with 2 virtual CPU devices (MirroredStrategy);
 * `two_workers`: `keras-dist launch --workers 2` (MultiWorkerMirroredStrategy).
 
-All tutorials of a mode run in one process (one worker group), through
+The selected tutorials of a mode run in one process (one worker group), through
 tests/tutorials/run_tutorials.py. Per tutorial and mode the tests check: it ran; the
 losses fall; launched workers end with identical weights and results; the files left are
 those of one process (stock writers called from every worker must not collide or leave
@@ -99,6 +99,16 @@ def _known_open(mode, name):
     return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
 
 
+# The fast lane runs save_and_load (the stock writers' hardest user: one path saved again
+# and again, each save loaded back at once) on one device and on 2 launched workers; the
+# slow lane runs the rest. Every mode starts processes.
+FAST = {("one_device", "save_and_load"), ("two_workers", "save_and_load")}
+
+
+def _lane(mode, name):
+    return [pytest.mark.multiworker] + ([] if (mode, name) in FAST else [pytest.mark.slow])
+
+
 # ---------------------------------------------------------------------------------------
 # Running one mode
 
@@ -183,8 +193,8 @@ def _run_attempt(mode, attempt_dir, names, env, timeout):
         return False, str(error)
 
 
-def _run_mode(mode, out_dir):
-    """Runs all tutorials in one mode; per tutorial what `_collect` returns.
+def _run_mode(mode, out_dir, names):
+    """Runs the tutorials `names` in one mode; per tutorial what `_collect` returns.
 
     A launched worker stops the group at its first failing tutorial (its peer may be
     blocked in a collective), and any run stops at a hang (the driver's watchdog): the
@@ -194,7 +204,7 @@ def _run_mode(mode, out_dir):
     env = {MULTIPLIER_ENV: "2" if mode == "one_device" else "1",
            HANG_TIMEOUT_ENV[0]: HANG_TIMEOUT_ENV[1]}
     num_workers = 2 if mode == "two_workers" else 1
-    collected, remaining, attempt = {}, list(TUTORIALS), 0
+    collected, remaining, attempt = {}, list(names), 0
     while remaining and time.monotonic() - start < MODE_TIMEOUT:
         attempt_dir = os.path.join(out_dir, f"attempt{attempt}")
         os.makedirs(attempt_dir)
@@ -220,14 +230,32 @@ def _run_mode(mode, out_dir):
     return collected
 
 
+def _selected(session):
+    """{mode: the tutorials this session's selected tests read in that mode}."""
+    needed: dict = {}
+    for item in session.items:
+        if item.module.__name__ != __name__ or not hasattr(item, "callspec"):
+            continue
+        params = item.callspec.params
+        mode = params.get("mode") or {"test_one_device": "one_device",
+                                      "test_two_virtual_devices": "two_devices",
+                                      "test_two_launched_workers": "two_workers"}[
+                                          item.originalname]
+        needed.setdefault(mode, set()).add(params["name"])
+        if "mode" in params:  # compared with the one-device run
+            needed.setdefault("one_device", set()).add(params["name"])
+    return needed
+
+
 @pytest.fixture(scope="module")
-def mode_runs(tmp_path_factory):
+def mode_runs(tmp_path_factory, request):
     """Runs each mode once, on first use, and keeps its results for all tests."""
-    runs = {}
+    runs, needed = {}, _selected(request.session)
 
     def get(mode):
         if mode not in runs:
-            runs[mode] = _run_mode(mode, str(tmp_path_factory.mktemp(mode)))
+            names = [name for name in TUTORIALS if name in needed.get(mode, ())]
+            runs[mode] = _run_mode(mode, str(tmp_path_factory.mktemp(mode)), names)
         return runs[mode]
 
     return get
@@ -284,7 +312,8 @@ def _check_losses_fall(name, result):
 
 
 @pytest.mark.timeout(MODE_TIMEOUT + 60)
-@pytest.mark.parametrize("name", TUTORIALS)
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=_lane("one_device", name)) for name in TUTORIALS])
 def test_one_device(mode_runs, name):
     entry = _succeeded(mode_runs, "one_device", name)
     (result,) = entry["results"]
@@ -294,7 +323,8 @@ def test_one_device(mode_runs, name):
 
 
 @pytest.mark.timeout(MODE_TIMEOUT + 60)
-@pytest.mark.parametrize("name", TUTORIALS)
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=_lane("two_devices", name)) for name in TUTORIALS])
 def test_two_virtual_devices(mode_runs, name):
     entry = _succeeded(mode_runs, "two_devices", name)
     (result,) = entry["results"]
@@ -303,10 +333,10 @@ def test_two_virtual_devices(mode_runs, name):
     _check_tutorial_values(name, [result])
 
 
-@pytest.mark.multiworker
 @pytest.mark.timeout(MODE_TIMEOUT + 60)
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=_known_open("two_workers", name)) for name in TUTORIALS])
+    pytest.param(name, marks=_lane("two_workers", name) + _known_open("two_workers", name))
+    for name in TUTORIALS])
 def test_two_launched_workers(mode_runs, name):
     entry = _succeeded(mode_runs, "two_workers", name)
     first, second = entry["results"]
@@ -326,8 +356,7 @@ def test_two_launched_workers(mode_runs, name):
 def _mode_params():
     params = []
     for mode in ("two_devices", "two_workers"):
-        marks = [pytest.mark.multiworker] if mode == "two_workers" else []
-        params += [pytest.param(mode, name, marks=marks + _known_open(mode, name),
+        params += [pytest.param(mode, name, marks=_lane(mode, name) + _known_open(mode, name),
                                 id=f"{mode}-{name}")
                    for name in TUTORIALS]
     return params
@@ -352,8 +381,7 @@ def _compare(kind, label, actual, expected):
 def _numeric_params():
     params = []
     for mode, tutorials in COMPARABLE.items():
-        marks = [pytest.mark.multiworker] if mode == "two_workers" else []
-        params += [pytest.param(mode, name, id=f"{mode}-{name}", marks=marks + (
+        params += [pytest.param(mode, name, id=f"{mode}-{name}", marks=_lane(mode, name) + (
                        _known_open(mode, name) or _known_open(f"{mode}-numerics", name)))
                    for name in tutorials]
     return params
