@@ -11,6 +11,7 @@ be marked `multiworker`, one that starts a Ray cluster `ray`: the guard below fa
 otherwise, so a slow test cannot hide in the fast lane unmarked.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -106,6 +107,11 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable
 
 
+# Modules that share another module's once-per-process results run in its process.
+SHARES_PROCESS_WITH = {"tests/test_parallel_sharded.py": "tests/test_parallel_pipeline.py"}
+
+
+@functools.lru_cache(maxsize=None)
 def _uses_the_pool(module_path: str) -> bool:
     try:
         with open(module_path) as file:
@@ -124,6 +130,7 @@ def pytest_xdist_make_scheduler(config, log):
     class ModulesAndPool(LoadScopeScheduling):
         def _split_scope(self, nodeid):
             module = nodeid.split("::", 1)[0]
+            module = SHARES_PROCESS_WITH.get(module, module)
             return "worker_pool" if _uses_the_pool(os.path.join(root, module)) else module
 
     config.option.loadscopereorder = False  # keep LONGEST_FIRST's order

@@ -1,4 +1,4 @@
-"""StepTimeMonitor and Profiler on two real workers (one call on the shared pool serves both tests)."""
+"""StepTimeMonitor and Profiler on two real workers (one run serves both tests)."""
 
 import os
 
@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from keras_dist._step_time import summarise
+from keras_dist.testing import run_on_workers
 
 
 def _train_with_diagnostics(log_dir):
@@ -41,9 +42,9 @@ def _train_with_diagnostics(log_dir):
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory, worker_pool):
+def workers(tmp_path_factory):
     log_dir = str(tmp_path_factory.mktemp("profile"))
-    return worker_pool.run(_train_with_diagnostics, args=(log_dir,), timeout=240)
+    return run_on_workers(_train_with_diagnostics, 2, args=(log_dir,), timeout=240)
 
 
 @pytest.mark.multiworker

@@ -4,9 +4,12 @@ The check (`test_parallel_pipeline._sharded_vs_dense`) runs in the one process t
 tests/test_parallel_pipeline.py's single-process checks share (`local_results()`).
 """
 
+import pytest
 from test_parallel_pipeline import TOLERANCE, local_results
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_sharded_layers_equal_dense_and_embedding():
     results = local_results()["sharded"]
     for name, result in results.items():

@@ -242,6 +242,7 @@ def _simulator_or_skip(link):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.multiworker
 def test_simulated_link_caps_a_transfer_at_its_rate():
     # 100 Mbit per worker, 2 workers (a 200 Mbit tbf): 4 MB each way takes >= ~0.3 s
     # at the cap (the first 256 KB bucket may pass at once). tc enforces the ceiling,
@@ -256,6 +257,7 @@ def test_simulated_link_caps_a_transfer_at_its_rate():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.multiworker
 def test_run_in_link_returns_values_and_raises_errors():
     link = planning.Link.parse(None)
     _simulator_or_skip(link)
@@ -276,6 +278,7 @@ def test_run_in_link_returns_values_and_raises_errors():
         planning.run_in_link(fails, link, timeout=50)
 
 
+@pytest.mark.multiworker
 def test_missing_tools_and_privileges_give_clear_errors(monkeypatch, tmp_path):
     import os
     import shutil
