@@ -58,17 +58,10 @@ def _assert_gone(pid_dir):
 
 
 @pytest.mark.multiworker
-@pytest.mark.timeout(60)
-def test_returns_each_workers_result_in_worker_order():
-    assert notebook_launcher(task_index, num_workers=3) == [0, 1, 2]
-
-
-@pytest.mark.multiworker
-@pytest.mark.timeout(60)
-def test_lambdas_and_closures_travel_by_value():
+@pytest.mark.timeout(90)
+def test_results_in_worker_order_closures_args_kwargs_and_env_reach_the_workers():
+    # One launch of 3 workers checks what three near-copies each launched for before.
     offset = 40
-    results = run_on_workers(lambda: offset + task_index(), num_workers=2)
-    assert results == [40, 41]
 
     def make_counter(start):
         def counter():
@@ -76,16 +69,22 @@ def test_lambdas_and_closures_travel_by_value():
 
         return counter
 
-    assert run_on_workers(make_counter(7), num_workers=2) == [[7, 8, 9], [7, 8, 9]]
+    counter = make_counter(7)
 
+    def everything(a, b, *, scale):
+        return {"index": task_index(), "offset": offset + task_index(), "counter": counter(),
+                "add": add(a, b, scale=scale), "env": environment_summary()}
 
-@pytest.mark.multiworker
-@pytest.mark.timeout(60)
-def test_args_kwargs_and_env_reach_the_workers():
+    results = run_on_workers(everything, num_workers=3, args=(1, 2), kwargs={"scale": 10},
+                             env={"KD_TEST_EXTRA": "on"})
+    assert [r["index"] for r in results] == [0, 1, 2]  # in worker order
+    assert [r["offset"] for r in results] == [40, 41, 42]  # a closure, sent by value
+    assert [r["counter"] for r in results] == [[7, 8, 9]] * 3
+    assert [r["add"] for r in results] == [30] * 3  # args and kwargs
+    assert [r["env"]["KD_TEST_EXTRA"] for r in results] == ["on"] * 3
+    assert [json.loads(r["env"]["TF_CONFIG"])["task"]["index"] for r in results] == [0, 1, 2]
+    # notebook_launcher is the same machinery, by name and by value.
     assert notebook_launcher(add, args=(1, 2), kwargs={"scale": 10}) == [30, 30]
-    summaries = run_on_workers(environment_summary, env={"KD_TEST_EXTRA": "on"})
-    assert [s["KD_TEST_EXTRA"] for s in summaries] == ["on", "on"]
-    assert [json.loads(s["TF_CONFIG"])["task"]["index"] for s in summaries] == [0, 1]
 
 
 @pytest.mark.multiworker

@@ -68,7 +68,7 @@ def _finish(process, timeout=100):
 # the server, so the wait for peers happens at that op; it must keep the same guarantees.
 @pytest.mark.multiworker
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("order", ["strategy", "--op-first"])
+@pytest.mark.parametrize("order", ["strategy", pytest.param("--op-first", marks=pytest.mark.slow)])
 def test_a_missing_peer_is_named_when_the_startup_timeout_ends(start, monkeypatch, order):
     addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
     if order == "strategy":
