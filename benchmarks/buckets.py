@@ -22,7 +22,7 @@ closest to the best one on every model and link (worst-case ratio to the best).
 from __future__ import annotations
 
 from benchmarks import common
-from keras_dist import _communication
+from keras_dist.strategies import communication as _communication
 
 NAME = "buckets"
 MB = 1 << 20

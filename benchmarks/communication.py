@@ -2,7 +2,7 @@
 
 On 2 launched workers (CPU: one replica each, RING collectives over loopback gRPC):
 
-1. **all-reduce sweep**, 1 KB .. 64 MB (quick: 16 MB; `keras_dist._bench`, also `keras-dist bench
+1. **all-reduce sweep**, 1 KB .. 64 MB (quick: 16 MB; `keras_dist.planning.bench`, also `keras-dist bench
    allreduce`): nccl-tests' algbw and busbw for plain fp32, keras_dist's fp32 path and
    its bf16 compression path (casts included);
 2. **bytes_per_pack**: the gradient list of the model below, all-reduced in one call
@@ -22,7 +22,8 @@ devices under `MirroredStrategy` instead.
 from __future__ import annotations
 
 from benchmarks import common
-from keras_dist import _bench, _communication
+from keras_dist.planning import bench as _bench
+from keras_dist.strategies import communication as _communication
 
 NAME = "communication"
 ONE_PACK = _communication.ONE_PACK  # one pack, given per call

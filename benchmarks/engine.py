@@ -171,7 +171,7 @@ def measure_tf(config: dict) -> dict:
     import tensorflow as tf
 
     import keras_dist
-    from keras_dist import _bench
+    from keras_dist.planning import bench as _bench
 
     tf.get_logger().setLevel("ERROR")
     strategy = keras_dist.strategy()
@@ -193,7 +193,7 @@ def measure_tf(config: dict) -> dict:
 
 def _profiled(strategy, size: int, seconds: float, record: bool) -> dict | None:
     """All-reduces `size` bytes for about `seconds`; with `record`, under `perf record`."""
-    from keras_dist import _bench
+    from keras_dist.planning import bench as _bench
 
     wall, _ = _bench.time_all_reduce(strategy, [size // 4], "plain_fp32",
                                      budget_bytes=size * 3, with_cpu=True)

@@ -70,7 +70,7 @@ def measure(config: dict) -> dict:
     import tensorflow as tf
 
     import keras_dist
-    from keras_dist import _bench
+    from keras_dist.planning import bench as _bench
 
     tf.get_logger().setLevel("ERROR")
     strategy = keras_dist.strategy()
@@ -111,7 +111,7 @@ def _group(config: dict, workers: int) -> dict:
 
 
 def _summarize_group(outcome: dict, link) -> dict:
-    from keras_dist import _bench
+    from keras_dist.planning import bench as _bench
 
     results = outcome["results"]
     rows = _bench.summarize([{"replicas": r["replicas"], "rows": r["sweep"]}

@@ -35,7 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 
 from benchmarks import common
-from keras_dist import _communication
+from keras_dist.strategies import communication as _communication
 
 NAME = "scaling"
 
@@ -79,7 +79,7 @@ def measure(config: dict, breakdown: bool = True) -> dict:
     """One worker: pin threads, build, warm up, time `rounds` chunks of each variant."""
     common.pin_threads(config["intra_op_threads"], config["inter_op_threads"])
     import keras_dist
-    from keras_dist._communication import resolve_bytes_per_pack
+    from keras_dist.strategies.communication import resolve_bytes_per_pack
 
     import tensorflow as tf
 
@@ -125,7 +125,7 @@ def _breakdown(config: dict, strategy, shapes, x, y) -> dict:
     """Where a 2-worker step goes: local compute (both workers busy) and the all-reduce."""
     import tensorflow as tf
 
-    from keras_dist import _bench
+    from keras_dist.planning import bench as _bench
 
     # Outside any scope: the default strategy, no collective; run on both workers at
     # once, so it feels the same contention for cores as a training step.

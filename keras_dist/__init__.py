@@ -39,28 +39,20 @@ _PUBLIC = {
     "chief_path": "keras_dist.checkpointing",
     "verbose": "keras_dist.checkpointing",
     "barrier": "keras_dist.barriers",
-    # public submodules (old import paths `batching`, `launch`, `notebook` included)
+    # public submodules
     **{name: f"keras_dist.{name}" for name in (
-        "aggregation", "barriers", "batching", "callbacks", "checkpointing", "cluster",
-        "compat", "data", "devices", "integrations", "launch", "launching", "notebook",
-        "parallel", "planning", "strategies", "testing")},
+        "aggregation", "barriers", "callbacks", "checkpointing", "cluster", "compat", "data",
+        "devices", "integrations", "launching", "parallel", "planning", "strategies",
+        "testing")},
 }
 
 __all__ = list(_PUBLIC)
-
-# `keras_dist.strategy` is the factory function. The old module of that name
-# (keras_dist/strategy.py, now a re-export of keras_dist.strategies) is loaded first, so
-# that a later `import keras_dist.strategy` finds it in sys.modules and leaves the package
-# attribute alone; the attribute the import bound is then dropped, so that the name
-# resolves through `_PUBLIC` to the function like every other public name.
-importlib.import_module("keras_dist.strategy")
-globals().pop("strategy")
 
 # The one import-time side effect (house rule 4), only under a multi-worker TF_CONFIG or
 # Slurm job: TensorFlow's collective ops must be configured before its first op, so that
 # datasets and tensors may be built before keras_dist.strategy(). A lone process is
 # untouched and TensorFlow is not even imported.
-from keras_dist import _early_init  # noqa: E402
+from keras_dist.startup import early_init as _early_init  # noqa: E402
 
 _early_init.configure_collectives_at_import()
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from keras_dist.cli import main
+from keras_dist.launching.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

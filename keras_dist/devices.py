@@ -168,7 +168,7 @@ def _split_first_device(first, device_type, n, memory_limit_mb, current) -> None
             "Call virtual_devices() at the top of the script, or restart the notebook "
             f"kernel and call it first. (TensorFlow said: {error})"
         ) from None
-    from keras_dist import _early_init
+    from keras_dist.startup import early_init as _early_init
 
     # In a multi-worker job the server that the first op starts creates the devices
     # from the definition recorded at import; it must see the new layout.

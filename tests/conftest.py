@@ -23,6 +23,9 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 PROCESS_MARKERS = ("multiworker", "ray")
+# Short probes libraries run on first use (Python's `platform` runs `uname -p` when
+# TensorFlow is imported): not processes a test starts.
+_PROBES = {"uname", "ldconfig", "lscpu", "nvidia-smi"}
 _running: dict = {"item": None}
 _popen_init = subprocess.Popen.__init__
 
@@ -35,9 +38,11 @@ def _guarded_popen_init(self, *args, **kwargs):
     item = _running["item"]
     # Only the test's own thread: a background thread of an earlier (marked) test's
     # fixture may still be starting its workers.
+    command = args[0] if args else kwargs.get("args")
+    program = command[0] if isinstance(command, (list, tuple)) and command else command
     if (item is not None and threading.current_thread() is threading.main_thread()
-            and not _starts_processes(item)):
-        command = args[0] if args else kwargs.get("args")
+            and not _starts_processes(item)
+            and os.path.basename(str(program)) not in _PROBES):
         pytest.fail(
             f"{item.nodeid} starts a process ({command!r}) but is not marked "
             "@pytest.mark.multiworker (or @pytest.mark.ray for a Ray cluster). Mark it, "

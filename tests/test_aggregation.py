@@ -299,7 +299,7 @@ def test_gradient_norm_is_the_single_device_norm(mirrored):
 def test_strategy_and_aggregation_share_one_communication_options_object():
     """One check and one conversion for implementation/bytes_per_pack/timeout_seconds."""
     import keras_dist
-    from keras_dist._communication import CommunicationSettings
+    from keras_dist.strategies.communication import CommunicationSettings
 
     config = AggregationConfig(bytes_per_pack=1 << 20, timeout_seconds=30,
                                implementation="ring")

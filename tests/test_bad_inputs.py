@@ -33,7 +33,7 @@ class CommandLineError(Exception):
 
 def keras_dist_cli(*argv: str) -> None:
     """Runs the `keras-dist` command line in this process, like the console script."""
-    from keras_dist import cli
+    from keras_dist.launching import cli
 
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
@@ -324,7 +324,7 @@ def _namespace() -> dict:
     import keras_dist
     from keras_dist import ClusterConfig, callbacks, planning
     from keras_dist.checkpointing import (BackupAndRestore, ModelCheckpoint, TensorBoard)
-    from keras_dist.launch import launch, launch_script
+    from keras_dist.launching.local import launch, launch_script
 
     import keras
 

@@ -179,7 +179,7 @@ def test_memory_smoke(tmp_path):
 @pytest.mark.multiworker
 def test_cli_bench_allreduce(tmp_path, capsys):
     # One worker keeps it short; the 2-worker sweep runs in test_communication_smoke.
-    from keras_dist.cli import main
+    from keras_dist.launching.cli import main
 
     output = tmp_path / "allreduce.json"
     assert main(["bench", "allreduce", "--workers", "1", "--sizes", "1K", "4K",

@@ -50,7 +50,7 @@ def test_public_surface():
         "LearningRateWarmup", "ModelCheckpoint", "Profiler", "ReplicaDivergenceError",
         "ReplicaSyncCheck", "StepTimeMonitor", "TensorBoard", "Throughput",
     ]
-    from keras_dist._callback_base import Callback
+    from keras_dist.callbacks.base import Callback
 
     classes = [getattr(kd_callbacks, name) for name in kd_callbacks.__all__
                if name not in ("ReplicaDivergenceError", "BackupError")]

@@ -340,7 +340,7 @@ def test_module_helpers_read_the_environment(monkeypatch):
     # this test checks the environment path, so it hides them.
     import sys
 
-    import keras_dist.strategy  # noqa: F401  (the module, not the factory function)
+    import keras_dist.strategies  # noqa: F401  (the module, not the factory function)
 
     # Forget strategies other tests created in this process, for this test only.
     monkeypatch.setattr(sys.modules["keras_dist._runtime"], "_created", [])

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from keras_dist._step_time import summarise
+from keras_dist.callbacks.step_time_monitor import summarise
 from keras_dist.testing import run_on_workers
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
-from keras_dist.launch import launch
+from keras_dist.launching.local import launch
 
 pytestmark = pytest.mark.multiworker
 

@@ -1,4 +1,4 @@
-"""`keras_dist.launch` and `keras-dist launch`: real worker processes (TensorFlow only in
+"""`keras_dist.launching.local` and `keras-dist launch`: real worker processes (TensorFlow only in
 the root-cause test with a real collective)."""
 
 import io
@@ -15,8 +15,8 @@ import _thread
 import psutil
 import pytest
 
-from keras_dist import cli
-from keras_dist.launch import LaunchResult, free_ports, launch, launch_script
+from keras_dist.launching import cli
+from keras_dist.launching.local import LaunchResult, free_ports, launch, launch_script
 
 pytestmark = pytest.mark.multiworker
 
@@ -349,21 +349,21 @@ def test_python_dash_m_keras_dist_reports_usage_errors():
 
 def test_cli_bench_allreduce_calls_the_benchmark(monkeypatch):
     calls = []
-    fake = types.ModuleType("keras_dist._bench")
+    fake = types.ModuleType("keras_dist.planning.bench")
     fake.allreduce_main = lambda args: calls.append(args) or 0
-    monkeypatch.setitem(sys.modules, "keras_dist._bench", fake)
+    monkeypatch.setitem(sys.modules, "keras_dist.planning.bench", fake)
     assert cli.main(["bench", "allreduce", "--workers", "3", "--sizes", "4K", "1M"]) == 0
     assert calls[0].workers == 3
     assert calls[0].sizes == [4096, 1 << 20]
 
 
 def test_cli_info_and_demo_call_their_modules(monkeypatch, capsys):
-    strategy = types.ModuleType("keras_dist.strategy")
+    strategy = types.ModuleType("keras_dist.strategies.factory")
     strategy._info_lines = lambda: ["cluster: fake", "strategy: fake"]
     demo = types.ModuleType("keras_dist.examples.demo")
     demo_calls = []
     demo.main = lambda argv: demo_calls.append(argv)
-    monkeypatch.setitem(sys.modules, "keras_dist.strategy", strategy)
+    monkeypatch.setitem(sys.modules, "keras_dist.strategies.factory", strategy)
     monkeypatch.setitem(sys.modules, "keras_dist.examples.demo", demo)
     assert cli.main(["info"]) == 0
     assert capsys.readouterr().out.splitlines() == ["cluster: fake", "strategy: fake"]

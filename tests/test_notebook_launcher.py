@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from keras_dist.notebook import WorkerError, notebook_launcher
+from keras_dist.launching.notebook import WorkerError, notebook_launcher
 from keras_dist.testing import run_in_subprocess, run_on_workers
 
 pytestmark = pytest.mark.multiworker

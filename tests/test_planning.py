@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from keras_dist import cli, planning
+from keras_dist import planning
+from keras_dist.launching import cli
 from keras_dist.planning import model as pmodel
 
 

@@ -10,7 +10,9 @@ import pytest
 
 import keras_dist
 
-# DESIGN.md "Public API (names to keep stable)" and the import paths issue 11 names.
+# DESIGN.md "Public API (names to keep stable)"; the launcher's library form is
+# `keras_dist.launching` (one name per thing: the old `keras_dist.launch` and
+# `keras_dist.notebook` module paths are gone).
 CONTRACT = [
     "strategy", "resolve_strategy", "ClusterConfig.from_env", "ClusterConfigError",
     "virtual_devices", "physical_devices", "local_devices",
@@ -22,9 +24,9 @@ CONTRACT = [
     "callbacks.StepTimeMonitor", "callbacks.Profiler", "callbacks.BackupAndRestore",
     "callbacks.ModelCheckpoint", "callbacks.TensorBoard",
     "checkpointing.BackupAndRestore", "checkpointing.chief_path",
-    "notebook_launcher", "WorkerError", "notebook.notebook_launcher", "barrier",
+    "notebook_launcher", "WorkerError", "launching.notebook_launcher", "barrier",
     "parallel.split_sequential", "parallel.PipelineModel", "parallel.ShardedDense",
-    "parallel.ShardedEmbedding", "launch.launch", "launch.launch_script",
+    "parallel.ShardedEmbedding", "launching.launch", "launching.launch_script",
     "testing.run_on_workers", "testing.run_in_subprocess", "aggregation.install",
     "compat.registry",
 ]
@@ -56,7 +58,7 @@ def test_the_public_api_is_one_table():
     # __all__, dir() and attribute access agree, all derived from the one table.
     assert keras_dist.__all__ == list(keras_dist._PUBLIC)
     assert set(keras_dist.__all__) <= set(dir(keras_dist))
-    for name in ("callbacks", "checkpointing", "notebook", "aggregation", "data"):
+    for name in ("callbacks", "checkpointing", "launching", "aggregation", "data"):
         assert getattr(keras_dist, name).__name__ == f"keras_dist.{name}"
     assert keras_dist.strategy is keras_dist.strategies.strategy
     assert keras_dist.chief_path is keras_dist.checkpointing.chief_path

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from keras_dist.cluster import make_tf_config
-from keras_dist.launch import free_ports
+from keras_dist.launching.local import free_ports
 
 pytestmark = pytest.mark.multiworker
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from keras_dist._slurm import expand_hostlist, expand_tasks_per_node
+from keras_dist.cluster.slurm import expand_hostlist, expand_tasks_per_node
 from keras_dist.cluster import ClusterConfig, ClusterConfigError
 
 

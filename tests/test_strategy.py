@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from keras_dist import _communication
+from keras_dist.strategies import communication as _communication
 
 from keras_dist.testing import run_in_subprocess, run_on_workers
 
@@ -123,7 +123,7 @@ def _collectives_for_three_large_tensors(chosen):
     """All-reduces issued for 3 tensors just over the default bucket size (traced only)."""
     import tensorflow as tf
 
-    from keras_dist import _communication
+    from keras_dist.strategies import communication as _communication
 
     elements = _communication.DEFAULT_BYTES_PER_PACK // 4 + 1
 
@@ -283,29 +283,34 @@ def test_virtual_devices_validates_arguments():
 
 @pytest.mark.multiworker
 def test_strategy_name_is_the_function_under_every_import_form():
-    # `keras_dist.strategy` is the factory; the old module path keeps working for the
-    # names it exported, whichever import a user writes first. Fresh interpreters: the
-    # import order is the thing under test.
+    # `keras_dist.strategy` is the factory function, whichever import a user writes first;
+    # there is no module of that name (one name per thing). Fresh interpreters: the import
+    # order is the thing under test.
     import subprocess
     import sys
 
     checks = {
-        "import keras_dist.strategy": "keras_dist.strategy",
-        "import keras_dist; import keras_dist.strategy": "keras_dist.strategy",
+        "import keras_dist": "keras_dist.strategy",
+        "import keras_dist.strategies": "keras_dist.strategy",
+        "import keras_dist; import keras_dist.strategies": "keras_dist.strategy",
         "from keras_dist import strategy": "strategy",
-        "from keras_dist.strategy import strategy": "strategy",
+        "from keras_dist.strategies import strategy": "strategy",
         "import keras_dist.strategies; import keras_dist": "keras_dist.strategy",
     }
     for statement, name in checks.items():
         code = (
             f"{statement}\n"
-            "import sys, types\n"
-            "from keras_dist.strategy import (communication_options, resolve_strategy,\n"
-            "                                 _info_lines)\n"
+            "import sys\n"
+            "from keras_dist.strategies import resolve_strategy\n"
             "from keras_dist import strategies\n"
             f"assert {name} is strategies.strategy, {name}\n"
             "assert resolve_strategy is strategies.resolve_strategy\n"
-            "assert isinstance(sys.modules['keras_dist.strategy'], types.ModuleType)\n"
+            "assert 'keras_dist.strategy' not in sys.modules\n"
+            "try:\n"
+            "    import keras_dist.strategy\n"
+            "    raise AssertionError('keras_dist.strategy imported as a module')\n"
+            "except ModuleNotFoundError:\n"
+            "    pass\n"
             "assert 'tensorflow' not in sys.modules\n"
         )
         result = subprocess.run([sys.executable, "-c", code], capture_output=True,

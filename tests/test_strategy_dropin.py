@@ -114,7 +114,7 @@ def _strategy_after_too_early_op():
     import tensorflow as tf
 
     import keras_dist
-    from keras_dist import _early_init
+    from keras_dist.startup import early_init as _early_init
 
     tf.constant(1.0)  # TensorFlow starts before there is a cluster to prepare for
     os.environ["TF_CONFIG"] = json.dumps({

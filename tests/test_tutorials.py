@@ -30,7 +30,7 @@ import time
 import numpy as np
 import pytest
 
-from keras_dist.launch import launch_script
+from keras_dist.launching.local import launch_script
 from keras_dist.testing import WorkerError, run_in_subprocess
 
 TUTORIALS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tutorials")

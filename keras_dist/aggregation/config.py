@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_dist import _validation
-from keras_dist._communication import CommunicationSettings
+from keras_dist.strategies.communication import CommunicationSettings
 from keras_dist.aggregation import ops as gops
 
 __all__ = ["AggregationConfig"]

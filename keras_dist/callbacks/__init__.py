@@ -1,7 +1,7 @@
 """Keras callbacks for distributed training: aggregation, checks, warmup, throughput.
 
 Every callback here is a `keras.callbacks.Callback` on one base
-(`keras_dist._callback_base.Callback`), one module per callback. Pass the same list to
+(`keras_dist.callbacks.base.Callback`), one module per callback. Pass the same list to
 `fit` on every worker: some of them run a collective (all workers must take part), and
 the ones that print do so from the chief only. Each extends `logs` and never replaces it,
 so `History`, `ProgbarLogger` and `TensorBoard` see the new keys; put
@@ -18,7 +18,6 @@ from keras_dist.callbacks.profiler import Profiler
 from keras_dist.callbacks.replica_sync_check import ReplicaDivergenceError, ReplicaSyncCheck
 from keras_dist.callbacks.step_time_monitor import StepTimeMonitor
 from keras_dist.callbacks.throughput import Throughput
-from keras_dist.checkpointing import BackupAndRestore, BackupError, ModelCheckpoint, TensorBoard
 
 __all__ = [
     "BackupAndRestore",
@@ -34,3 +33,18 @@ __all__ = [
     "TensorBoard",
     "Throughput",
 ]
+
+# The checkpointing callbacks are public here too, looked up on first use (PEP 562):
+# keras_dist.checkpointing's callbacks are built on `keras_dist.callbacks.base`, so
+# importing that package here would import it half-way through its own import.
+_FROM_CHECKPOINTING = ("BackupAndRestore", "BackupError", "ModelCheckpoint", "TensorBoard")
+
+
+def __getattr__(name):
+    if name in _FROM_CHECKPOINTING:
+        from keras_dist import checkpointing
+
+        value = getattr(checkpointing, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'keras_dist.callbacks' has no attribute {name!r}")

@@ -4,7 +4,7 @@ compress, all-reduce, clip), for what Keras' optimizer options do not cover."""
 from __future__ import annotations
 
 from keras_dist import aggregation
-from keras_dist._callback_base import Callback
+from keras_dist.callbacks.base import Callback
 from keras_dist.callbacks._optimizer import install_aggregation
 
 __all__ = ["GradientAggregation"]

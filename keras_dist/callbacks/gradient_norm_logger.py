@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from keras_dist import aggregation
-from keras_dist._callback_base import Callback
+from keras_dist.callbacks.base import Callback
 from keras_dist.callbacks._optimizer import install_aggregation, optimizer_of
 
 __all__ = ["GradientNormLogger"]

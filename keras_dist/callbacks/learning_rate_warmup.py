@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from keras_dist import _validation
-from keras_dist._callback_base import Callback
+from keras_dist.callbacks.base import Callback
 from keras_dist.callbacks._optimizer import optimizer_of
 from keras_dist.cluster import is_chief
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from keras_dist import _validation
-from keras_dist._callback_base import Callback
+from keras_dist.callbacks.base import Callback
 
 __all__ = ["Profiler"]
 

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from keras_dist import _validation
-from keras_dist._callback_base import Callback
+from keras_dist.callbacks.base import Callback
 
 __all__ = ["StepTimeMonitor"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from keras_dist import _validation
-from keras_dist._callback_base import Callback
+from keras_dist.callbacks.base import Callback
 from keras_dist.cluster import is_chief
 
 __all__ = ["Throughput"]

@@ -14,7 +14,7 @@ import tempfile
 import numpy as np
 
 from keras_dist import _validation
-from keras_dist._callback_base import Callback
+from keras_dist.callbacks.base import Callback
 from keras_dist.checkpointing import files, preemption
 from keras_dist.checkpointing.files import BackupError
 from keras_dist.checkpointing.preemption import PREEMPTION_EXIT_CODE

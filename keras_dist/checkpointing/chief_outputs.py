@@ -16,7 +16,7 @@ import shutil
 
 import keras
 
-from keras_dist._callback_base import Callback
+from keras_dist.callbacks.base import Callback
 from keras_dist.checkpointing import stock_writers
 from keras_dist.cluster import is_chief
 

@@ -96,8 +96,6 @@ def _tf_data_classes() -> str | None:
 
     import tensorflow  # noqa: F401  (loads tf.data's op modules)
 
-    from keras_dist.data import sources as _data_sources
-
     known = {
         name
         for module_name, module in list(sys.modules.items())
@@ -231,7 +229,7 @@ _WRITER_INTERNALS = (
         _attribute(_tf_context_class, "get_config_key_value")),
 )
 
-# Start-up under a multi-worker TF_CONFIG / Slurm job (keras_dist._early_init): the
+# Start-up under a multi-worker TF_CONFIG / Slurm job (keras_dist.startup.early_init): the
 # settings MultiWorkerMirroredStrategy applies, applied at `import keras_dist` so ops made
 # before `strategy()` work, and the first op meeting the peers with a deadline.
 _STARTUP_INTERNALS = (

@@ -1,7 +1,7 @@
 """TensorFlow's coordination service: barriers and a key-value store shared by all workers.
 
 MultiWorkerMirroredStrategy starts a coordination service on the chief (keras_dist
-configures it at import under a multi-worker job, `keras_dist._early_init`). It offers
+configures it at import under a multi-worker job, `keras_dist.startup.early_init`). It offers
 barriers that report which tasks did not arrive, and a blocking key-value store; there
 is no public API for either, so every use of `context.context()`'s methods lives here
 (registry entries `tf.context.wait_at_barrier`, `tf.context.set_config_key_value`,

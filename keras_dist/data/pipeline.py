@@ -33,6 +33,15 @@ a worker that stops early leaves the others waiting in a collective for ever.
     * `drop_remainder=None` means True for multi-worker training with `repeat=True`
       (every step a full global batch, static shapes) and False otherwise (no example
       is dropped).
+
+Order: the shard of each worker is fixed; the order within it is shuffled anew each epoch
+(the same sequence of orders in every run with the same `seed`). With `shuffle=False`,
+`predict` returns predictions in the original order on one worker (any number of
+devices). On several workers with one replica each (CPU or one GPU per worker), arrays
+are dealt in blocks of one worker batch, so `predict` (which gathers every step in worker
+order) returns the original order on every worker; a `tf.data.Dataset` source, dealt
+element by element (`shard`), or workers with several GPUs, give every prediction but
+grouped per step by worker/replica.
 """
 
 from __future__ import annotations
@@ -172,87 +181,72 @@ def distribute_dataset(
     """Builds the sharded, shuffled, batched input for distributed `fit`/`evaluate`/`predict`.
 
     Use it instead of hand-building a `tf.data` pipeline and calling
-    `strategy.experimental_distribute_dataset`: each worker reads only its own shard (by
-    slicing arrays in NumPy, `Dataset.shard`, or by TFRecord file when there are at least
-    as many files as workers, else by record), shuffles it with a seed of its own, runs
+    `strategy.experimental_distribute_dataset`: each worker reads only its own shard
+    (arrays sliced in NumPy, `Dataset.shard`, or TFRecord files by file when there are at
+    least as many as workers, else by record), shuffles it with a seed of its own, runs
     `map_fn` on it, batches `per_replica_batch_size` per replica and prefetches. Every
-    worker gets the same number of steps per epoch (see the module docstring for the
-    policy), so uneven data never hangs a multi-worker run. Call `keras_dist.strategy()`
-    first; the result belongs to that strategy.
-
-    Order: the shard of each worker is fixed; the order within it is shuffled anew each
-    epoch (the same sequence of orders in every run with the same `seed`). With
-    `shuffle=False`, `predict` returns predictions in the original order on one worker
-    (any number of devices). On several workers with one replica each (CPU or one GPU
-    per worker), arrays are dealt in blocks of one worker batch, so `predict` (which
-    gathers every step in worker order) returns the original order on every worker; a
-    `tf.data.Dataset` source, dealt element by element (`shard`), or workers with
-    several GPUs, give every prediction but grouped per step by worker/replica.
+    worker gets the same number of steps per epoch, so uneven data never hangs a
+    multi-worker run. Call `keras_dist.strategy()` first. The module docstring describes
+    the uneven-data policy and the order of examples (per epoch, and of `predict`).
 
     Args:
         source: NumPy arrays, or a tuple `(x, y)` / `(x, y, sample_weight)` / dict (nests
             allowed) of equally long arrays; a `tf.data.Dataset` of unbatched elements;
-            a list of TFRecord file paths or a glob string (elements are the serialized
-            records: parse them in `map_fn`); a Ray Data shard (with
-            `feature_columns`/`label_columns`); or a function
-            `input_context -> tf.data.Dataset` returning this worker's unbatched
-            elements (it shards itself, by `input_context.input_pipeline_id` of
-            `input_context.num_input_pipelines`).
-        per_replica_batch_size: Examples per replica per step. The global batch is this
-            times `strategy.num_replicas_in_sync` (see `keras_dist.global_batch_size`).
-        strategy: The strategy; default: the active one, else the one
-            `keras_dist.strategy()` created, else TensorFlow's default.
+            a list of TFRecord paths or a glob (elements are serialized records: parse
+            them in `map_fn`); a Ray Data shard (with `feature_columns`/`label_columns`);
+            or a function `input_context -> tf.data.Dataset` of this worker's unbatched
+            elements (it shards itself by `input_context.input_pipeline_id`).
+        per_replica_batch_size: Examples per replica per step (the global batch is this
+            times `strategy.num_replicas_in_sync`).
+        strategy: Default: the active one, else `keras_dist.strategy()`'s.
         shuffle: Shuffle each worker's shard, anew each epoch.
         seed: Integer >= 0; with the worker index it seeds the shuffles.
-        shuffle_buffer: Elements in the shuffle buffer. Default: arrays, the whole shard
-            (up to 1 GiB of it); other sources, 10,000 (or the shard size if smaller).
-        repeat: Repeat for ever; then pass `steps_per_epoch=data.steps_per_epoch` (and
-            `validation_steps`) to `fit`. Each epoch is one pass over the data.
-        map_fn: Per-element preprocessing, called like `tf.data.Dataset.map` (tuple
-            elements are unpacked into arguments); runs on this worker's shard only.
+        shuffle_buffer: Shuffle buffer size. Default: arrays, the whole shard (up to 1
+            GiB); other sources, 10,000 (or the shard size if smaller).
+        repeat: Repeat for ever (pass `steps_per_epoch=data.steps_per_epoch` to `fit`).
+        map_fn: Per-element preprocessing as in `tf.data.Dataset.map` (tuples unpacked
+            into arguments), on this worker's shard only.
         drop_remainder: Drop the last partial global batch. Default (None): True for
             multi-worker training with `repeat=True`, False otherwise.
         cache: Cache each worker's shard in memory after `map_fn` (before the shuffle).
-        feature_columns: For a Ray Data source only (`ray.train.get_dataset_shard(...)`,
-            already split across workers by Ray, so not sharded again): the feature
-            column name, or a list of names (then `x` is a dict of tensors), as in Ray's
-            `DataIterator.to_tf`.
-        label_columns: For a Ray Data source only: the label column name or names.
+        feature_columns: Ray Data only (a shard Ray split, not sharded again): the
+            feature column(s) (a list makes `x` a dict), as Ray's `DataIterator.to_tf`.
+        label_columns: Ray Data only: the label column(s).
 
     Returns:
-        What Keras consumes: on TensorFlow's default strategy a `tf.data.Dataset`,
-        otherwise a `tf.distribute.DistributedDataset` (iterating it yields this
-        worker's batches, per replica). Its attribute `steps_per_epoch` is the number of
-        steps of one epoch (the same on every worker), or None when the size is unknown
-        (files, functions). Keras' `class_weight` does not apply to it; put sample
-        weights in the source.
+        On TensorFlow's default strategy a `tf.data.Dataset`, else a
+        `tf.distribute.DistributedDataset` (this worker's batches, per replica), with
+        `steps_per_epoch`: the steps of one epoch (the same on every worker), or None when
+        unknown (files, functions). `class_weight` does not apply: weight in the source.
 
     Raises:
-        ValueError: `per_replica_batch_size` or `seed` is not an integer >= 1 / >= 0,
-            `shuffle_buffer` < 1, arrays have different lengths or none, a tuple/dict is
-            empty, a glob matches nothing or a file is missing, or `drop_remainder=True`
-            leaves no step, or a Ray Data source lacks a named column (the message lists
-            the shard's columns).
-        TypeError: `source` has an unsupported type, `map_fn` is not callable, a flag
-            is not a bool, or `feature_columns`/`label_columns` are given for a source
-            that is not Ray Data.
-        RuntimeError: `strategy` is None and the environment describes several workers,
-            but `keras_dist.strategy()` has not created the multi-worker strategy yet.
+        ValueError: A bad number (`per_replica_batch_size` < 1, `seed` < 0,
+            `shuffle_buffer` < 1); arrays of different lengths or none; an empty nest; a
+            glob matching nothing or a missing file; `drop_remainder=True` leaving no
+            step; a Ray Data source without a named column (its columns are listed).
+        TypeError: An unsupported `source`, a `map_fn` that is not callable, a flag that
+            is not a bool, or `feature_columns`/`label_columns` for a non-Ray source.
+        RuntimeError: `strategy` is None under a multi-worker environment before
+            `keras_dist.strategy()` created the multi-worker strategy.
 
     Example:
         >>> import keras, keras_dist, numpy as np
-        >>> strategy = keras_dist.strategy()
         >>> x, y = np.random.rand(1000, 8), np.random.rand(1000, 1)
-        >>> data = keras_dist.distribute_dataset((x, y), per_replica_batch_size=32)
-        >>> with strategy.scope():
+        >>> with keras_dist.strategy().scope():
         ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
         ...     model.compile(optimizer="sgd", loss="mse")
+        >>> data = keras_dist.distribute_dataset((x, y), per_replica_batch_size=32)
         >>> history = model.fit(data, epochs=2, verbose=0)
     """
     per_replica_batch_size = _check_int("per_replica_batch_size", per_replica_batch_size, 1)
     settings = _checked_settings(shuffle, seed, shuffle_buffer, repeat, map_fn,
                                  drop_remainder, cache)
     source = _data_sources.make_source(source, feature_columns, label_columns)
+    return _build(source, per_replica_batch_size, settings, strategy)
+
+
+def _build(source, per_replica_batch_size, settings, strategy):
+    """`distribute_dataset` once its arguments are checked."""
     explicit_strategy = strategy is not None
     strategy = resolve_strategy(strategy)
     layout = layout_of(strategy)

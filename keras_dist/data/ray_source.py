@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
-from keras_dist.data.sources import Source
+from keras_dist.data.source_base import Source
 
 Columns = Union[str, Sequence[str]]
 

@@ -17,20 +17,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-# Default shuffle buffer (elements) when the shard size is unknown or the shard is too
-# big to hold twice: the value TensorFlow's own guides use. Arrays fit in memory by
-# definition, so their shard is shuffled whole up to _MAX_SHUFFLE_BYTES.
-DEFAULT_SHUFFLE_BUFFER = 10_000
+from keras_dist.data.source_base import DEFAULT_SHUFFLE_BUFFER, Source  # noqa: F401
+
+# Arrays fit in memory by definition, so their shard is shuffled whole up to
+# _MAX_SHUFFLE_BYTES (DEFAULT_SHUFFLE_BUFFER when larger).
 _MAX_SHUFFLE_BYTES = 1 << 30
 # TFRecord files read concurrently per worker; enough to hide file latency without
 # opening every file of a large shard at once.
 _FILE_CYCLE_LENGTH = 8
-_BATCHING_DATASETS = (
-    "_BatchDataset", "_PaddedBatchDataset", "_ParallelBatchDataset", "_MapAndBatchDataset",
-    "_RebatchDataset", "_DenseToRaggedDataset", "_DenseToSparseBatchDataset",
-)
-_PASS_THROUGH_DATASETS = ("_PrefetchDataset", "_OptionsDataset", "CacheDataset",
-                          "_CacheDataset", "DatasetV1Adapter")
 
 
 def derived_seed(seed: int, worker_index: int, stream: int) -> int:
@@ -64,23 +58,6 @@ def array_shard_indices(num_examples: int, num_workers: int, worker_index: int,
     start = full_steps * global_batch + sum(tails[:worker_index])
     return np.concatenate([blocks, np.arange(start, start + tails[worker_index])]).astype(
         np.int64)
-
-
-class Source:
-    """One kind of input. Subclasses define `shard_sizes` and `worker_dataset`."""
-
-    def shard_sizes(self, num_workers: int, worker_batch: int) -> list[int] | None:
-        """Each worker's shard size, or None when it is not known without reading."""
-        return None
-
-    def default_shuffle_buffer(self, shard_size: int | None) -> int:
-        if shard_size is None:
-            return DEFAULT_SHUFFLE_BUFFER
-        return max(1, min(shard_size, DEFAULT_SHUFFLE_BUFFER))
-
-    def worker_dataset(self, num_workers, worker_index, worker_batch, input_context,
-                       shuffle, seed):  # pragma: no cover - abstract
-        raise NotImplementedError
 
 
 class ArraySource(Source):
@@ -325,20 +302,12 @@ def _existing_files(paths) -> list[str]:
 
 
 def _warn_if_batched(dataset) -> None:
-    from keras_dist import compat
+    from keras_dist.compat import tf_data
 
-    compat.check("data")
-    # Best effort: only the dataset's own class (past prefetch/options) is looked at.
-    for _ in range(8):
-        name = type(dataset).__name__
-        if name in _BATCHING_DATASETS:
-            warnings.warn(
-                "Argument `source` looks like an already batched tf.data.Dataset; "
-                "distribute_dataset batches it again (per replica). Pass the unbatched "
-                "dataset (call .unbatch() or drop the .batch()).",
-                stacklevel=4,
-            )
-            return
-        if name not in _PASS_THROUGH_DATASETS or not hasattr(dataset, "_input_dataset"):
-            return
-        dataset = dataset._input_dataset
+    if tf_data.looks_batched(dataset):
+        warnings.warn(
+            "Argument `source` looks like an already batched tf.data.Dataset; "
+            "distribute_dataset batches it again (per replica). Pass the unbatched "
+            "dataset (call .unbatch() or drop the .batch()).",
+            stacklevel=4,
+        )

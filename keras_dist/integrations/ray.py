@@ -40,7 +40,7 @@ import tempfile
 
 import keras
 
-from keras_dist._callback_base import Callback
+from keras_dist.callbacks.base import Callback
 from keras_dist.checkpointing import chief_path
 
 __all__ = ["ReportCheckpointCallback", "init_local", "restore_weights"]

@@ -6,7 +6,9 @@
 * `_core.py`: the run-a-function core shared by `notebook_launcher` and
   `keras_dist.testing`; `worker.py` is its other end, in each worker process;
 * `output.py`: prefixes, live '\\r' progress, the noise filter, log files;
-* `processes.py`: stopping a worker group with everything it started;
+* `processes.py`: a worker's process: started with its output reader, described when
+  it ends, stopped with everything it started;
+* `pool.py`: `WorkerPool`, workers started once that run many functions (tests);
 * `cli.py`: the `keras-dist` command line; `doctor.py`: `keras-dist doctor`.
 """
 

@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from keras_dist import _validation
 from keras_dist.launching import worker as _worker
-from keras_dist.launching.local import Options, run_group, signal_name
+from keras_dist.launching.local import Options, run_group
+from keras_dist.launching.processes import signal_name
 
 __all__ = ["WorkerError", "run_function"]  # and the pieces launching.pool shares
 

@@ -203,7 +203,7 @@ def _launch_command(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _info_command(args: argparse.Namespace, argv: list[str]) -> int:
     try:
-        info_lines = importlib.import_module("keras_dist.strategy")._info_lines
+        info_lines = importlib.import_module("keras_dist.strategies.factory")._info_lines
     except (ImportError, AttributeError) as error:
         print(f"keras-dist info: not available in this installation ({error})",
               file=sys.stderr)
@@ -235,10 +235,10 @@ def _demo_command(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _bench_allreduce_command(args: argparse.Namespace, argv: list[str]) -> int:
     try:
-        bench = importlib.import_module("keras_dist._bench")
+        bench = importlib.import_module("keras_dist.planning.bench")
         allreduce_main = bench.allreduce_main
     except (ModuleNotFoundError, AttributeError) as error:
-        if isinstance(error, ModuleNotFoundError) and error.name != "keras_dist._bench":
+        if isinstance(error, ModuleNotFoundError) and error.name != "keras_dist.planning.bench":
             raise
         print("keras-dist bench allreduce: the all-reduce benchmark is not available in "
               f"this installation ({error}). Run benchmarks/ from a source checkout.",

@@ -18,24 +18,26 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 from typing import IO, Mapping, Sequence
 
 from keras_dist import _validation
 from keras_dist.cluster import make_tf_config
 from keras_dist.launching import output as _output
-from keras_dist.launching.processes import POLL_INTERVAL, stop_workers
+from keras_dist.launching.processes import (
+    POLL_INTERVAL,
+    Worker,
+    describe_exit,
+    log_path,
+    stop_workers,
+)
 
 __all__ = ["LaunchResult", "free_ports", "launch", "launch_script", "TIMEOUT_RETURNCODE"]
 
 TIMEOUT_RETURNCODE = 124  # What GNU `timeout` returns, so shell scripts can tell.
 TAG = "keras-dist launch"
-_READER_JOIN = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +240,7 @@ def run_group(command: Sequence[str], num_workers: int, options: Options) -> Lau
     base_env = _base_env(options)
     if options.log_dir is not None:
         os.makedirs(options.log_dir, exist_ok=True)
-    output = _output.Output(options.stdout, _log_path(options, "launcher"))
+    output = _output.Output(options.stdout, log_path(options, "launcher"))
     deadline = None if options.timeout is None else time.monotonic() + options.timeout
     try:
         restarts = 0
@@ -283,13 +285,13 @@ def _summarise(output, worker, reason, message) -> None:
 def _run_attempt(argv, num_workers, base_env, attempt, output, options, deadline):
     """Starts one worker group and waits; returns (outcome, failed index, workers)."""
     addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
-    workers: list[_Worker] = []
+    workers: list[Worker] = []
     try:
         for index in range(num_workers):
             env = dict(base_env, KERAS_DIST_RESTART=str(attempt))
             if options.set_tf_config:
                 env["TF_CONFIG"] = make_tf_config(addresses, index)
-            workers.append(_Worker.start(index, argv, env, output, options, attempt))
+            workers.append(Worker.start(index, argv, env, output, options, attempt))
         outcome = _watch(workers, output, deadline)
     except KeyboardInterrupt:
         output.message(f"{TAG}: interrupted; stopping all workers")
@@ -315,66 +317,6 @@ def _watch(workers, output, deadline):
         if deadline is not None and time.monotonic() >= deadline:
             return "timeout", None
         time.sleep(POLL_INTERVAL)
-
-
-@dataclasses.dataclass
-class _Worker:
-    index: int
-    process: subprocess.Popen
-    reader: threading.Thread
-    stream: _output.WorkerStream
-    log_file: object = None
-
-    @classmethod
-    def start(cls, index, argv, env, output, options, attempt) -> "_Worker":
-        log_file = None
-        if options.log_dir is not None:
-            log_file = open(_log_path(options, f"worker-{index}"), "a", encoding="utf-8")
-            log_file.write(f"=== keras-dist launch: worker {index}, attempt {attempt} ===\n")
-        process = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            # Own session and process group: a terminal's Ctrl+C reaches only the
-            # launcher, which stops the workers in order, and a whole worker (with any
-            # children) can be signalled at once.
-            start_new_session=True,
-        )
-        to_terminal = options.log_dir is None or options.tee
-        stream = _output.WorkerStream(
-            f"[worker {index}] " if options.prefix else "",
-            output if to_terminal else None,
-            # One live progress bar: the chief's. The others' bars end as lines.
-            live=index == 0 and output.live,
-            quiet=_output.is_quiet(options.verbose, env),
-            log_file=log_file,
-        )
-        reader = threading.Thread(target=_output.pump, args=(process.stdout, stream),
-                                  name=f"keras-dist-worker-{index}-output", daemon=True)
-        reader.start()
-        return cls(index, process, reader, stream, log_file)
-
-    def finish(self) -> None:
-        self.reader.join(_READER_JOIN)
-        if self.log_file is not None:
-            self.log_file.close()
-
-
-def _log_path(options, name):
-    return None if options.log_dir is None else os.path.join(options.log_dir, f"{name}.log")
-
-
-def describe_exit(index: int, returncode: int) -> str:
-    if returncode < 0:
-        return f"worker {index} was killed by signal {signal_name(-returncode)}"
-    return f"worker {index} exited with code {returncode}"
-
-
-def signal_name(signum: int) -> str:
-    names = {int(s): s.name for s in signal.Signals}
-    return f"{names[signum]} ({signum})" if signum in names else str(signum)
 
 
 def _shell_code(returncode: int) -> int:

@@ -1,22 +1,29 @@
-"""Stopping a launched worker group, with every process it started, and never hanging.
+"""A launched worker's process: starting it with its output reader, describing how it
+ended, and stopping a group with every process it started, never hanging.
 
-Used by `keras_dist.launching.local`. A "worker" here is anything with a `.process`
-attribute holding a `subprocess.Popen` started in its own session (so its pid is also its
-process group).
+Used by `keras_dist.launching.local`. A "worker" for `stop_workers` is anything with a
+`.process` attribute holding a `subprocess.Popen` started in its own session (so its pid
+is also its process group).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import psutil
 
-__all__ = ["stop_workers", "POLL_INTERVAL"]
+from keras_dist.launching import output as _output
+
+__all__ = ["POLL_INTERVAL", "Worker", "describe_exit", "log_path", "signal_name",
+           "stop_workers"]
 
 POLL_INTERVAL = 0.05
+_READER_JOIN = 5.0
 # After SIGKILL a process dies at once; this only bounds waiting on an unkillable
 # (uninterruptible-sleep) process so the launcher itself never hangs.
 _KILL_WAIT = 5.0
@@ -98,3 +105,65 @@ def _alive(proc: psutil.Process) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+@dataclasses.dataclass
+class Worker:
+    """One started worker process: its output reader and, with `log_dir`, its log file."""
+
+    index: int
+    process: subprocess.Popen
+    reader: threading.Thread
+    stream: _output.WorkerStream
+    log_file: object = None
+
+    @classmethod
+    def start(cls, index, argv, env, output, options, attempt) -> "Worker":
+        log_file = None
+        if options.log_dir is not None:
+            log_file = open(log_path(options, f"worker-{index}"), "a", encoding="utf-8")
+            log_file.write(f"=== keras-dist launch: worker {index}, attempt {attempt} ===\n")
+        process = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            # Own session and process group: a terminal's Ctrl+C reaches only the
+            # launcher, which stops the workers in order, and a whole worker (with any
+            # children) can be signalled at once.
+            start_new_session=True,
+        )
+        to_terminal = options.log_dir is None or options.tee
+        stream = _output.WorkerStream(
+            f"[worker {index}] " if options.prefix else "",
+            output if to_terminal else None,
+            # One live progress bar: the chief's. The others' bars end as lines.
+            live=index == 0 and output.live,
+            quiet=_output.is_quiet(options.verbose, env),
+            log_file=log_file,
+        )
+        reader = threading.Thread(target=_output.pump, args=(process.stdout, stream),
+                                  name=f"keras-dist-worker-{index}-output", daemon=True)
+        reader.start()
+        return cls(index, process, reader, stream, log_file)
+
+    def finish(self) -> None:
+        self.reader.join(_READER_JOIN)
+        if self.log_file is not None:
+            self.log_file.close()
+
+
+def log_path(options, name):
+    return None if options.log_dir is None else os.path.join(options.log_dir, f"{name}.log")
+
+
+def describe_exit(index: int, returncode: int) -> str:
+    if returncode < 0:
+        return f"worker {index} was killed by signal {signal_name(-returncode)}"
+    return f"worker {index} exited with code {returncode}"
+
+
+def signal_name(signum: int) -> str:
+    names = {int(s): s.name for s in signal.Signals}
+    return f"{names[signum]} ({signum})" if signum in names else str(signum)

@@ -1,6 +1,6 @@
 """After TensorFlow started this task's server: SIGTERM/SIGINT still end a blocked worker.
 
-Split from `keras_dist._rendezvous` (the meeting before the server starts); this is what
+Split from `keras_dist.startup.rendezvous` (the meeting before the server starts); this is what
 keeps the "never hang" promise once it runs.
 """
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from keras_dist._communication import CommunicationSettings
+from keras_dist.strategies.communication import CommunicationSettings
 
 _KINDS = ("auto", "mirrored", "multi_worker", "one_device")
 

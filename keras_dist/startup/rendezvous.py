@@ -22,15 +22,16 @@ handshake (one JSON line each way) with every chief/worker task of the cluster:
   SIGTERM exits with 128 + 15 without the interpreter's slow shutdown, SIGINT raises
   KeyboardInterrupt;
 * before any wait, TensorFlow's certain "configured at program startup" error (an op ran
-  before `import keras_dist`, or the cluster changed after it) is raised, explained
-  (`keras_dist._early_init.check_startup`).
+  before `import keras_dist`, or the cluster changed after it) is raised, explained: the
+  callers run `keras_dist.startup.early_init.check_startup` first (`strategy()`), or are
+  the configured runtime's own start (early_init), so this module needs nothing of it.
 
 Two callers: `keras_dist.strategy()`, and, when the script runs a TensorFlow op first (a
 dataset built before the strategy, as TensorFlow's tutorials do), that first op
-(`keras_dist._early_init` wraps the runtime's start once), with the same guarantees and
+(`keras_dist.startup.early_init` wraps the runtime's start once), with the same guarantees and
 the deadline from `KERAS_DIST_STARTUP_TIMEOUT`. The peers are met once per process.
 
-Once the server runs, `after_server_start()` (`keras_dist._signal_watcher`) keeps SIGTERM
+Once the server runs, `after_server_start()` (`keras_dist.startup.signal_watcher`) keeps SIGTERM
 able to end a worker that is blocked in a collective whose peer is gone.
 """
 
@@ -48,7 +49,7 @@ import time
 from typing import Mapping
 
 from keras_dist import _validation
-from keras_dist._signal_watcher import _connect, after_server_start  # noqa: F401
+from keras_dist.startup.signal_watcher import _connect, after_server_start  # noqa: F401
 
 __all__ = ["StartupError", "meet_peers", "startup_timeout", "DEFAULT_STARTUP_TIMEOUT"]
 
@@ -104,10 +105,6 @@ def meet_peers(cluster, timeout_seconds: float | None = None,
     me = (cluster.task_type, cluster.task_index)
     if me not in tasks:
         return  # an evaluator or ps task: not part of the collective group
-    # TensorFlow's "configured at program startup" error is certain before any wait.
-    from keras_dist import _early_init
-
-    _early_init.check_startup(cluster)
     address = tasks.pop(me)
     port = int(address.rsplit(":", 1)[1])
     digest = hashlib.sha256(json.dumps({job: list(cluster.cluster.get(job, ()))

@@ -19,7 +19,7 @@ initialised here, so `keras_dist.virtual_devices()` still works after `import ke
 A bad TF_CONFIG is left for `keras_dist.strategy()` to report.
 
 The first op then starts the server; `_meet_peers_before_the_first_op` makes it meet the
-peers first (`keras_dist._rendezvous`: a deadline, missing workers named, SIGTERM honoured),
+peers first (`keras_dist.startup.rendezvous`: a deadline, missing workers named, SIGTERM honoured),
 and `check_startup` (called by the rendezvous) raises TensorFlow's certain "configured at
 program startup" error, explained, before any wait.
 
@@ -176,7 +176,7 @@ def _meet_peers_before_the_first_op(cluster: ClusterConfig) -> None:
     before `keras_dist.strategy()`, as TensorFlow's tutorials do) starts the gRPC server
     and waits inside TensorFlow for every peer: no deadline, no name for a missing peer,
     deaf to SIGTERM. So the first call of `Context.ensure_initialized` (every op's way
-    to the runtime) first runs `keras_dist._rendezvous.meet_peers` (deadline
+    to the runtime) first runs `keras_dist.startup.rendezvous.meet_peers` (deadline
     `KERAS_DIST_STARTUP_TIMEOUT`, the missing workers named, SIGTERM/SIGINT honoured),
     then puts the original method back and starts the runtime; afterwards SIGTERM is
     given back to Python's handler (TensorFlow's server installs its own, which only
@@ -201,7 +201,7 @@ def _meet_peers_before_the_first_op(cluster: ClusterConfig) -> None:
                 raise RuntimeError("keras_dist: TensorFlow cannot start this worker: "
                                    f"meeting its peers failed earlier ({failed[0]})")
             if owner.__dict__.get("ensure_initialized") is ensure_initialized:
-                from keras_dist import _rendezvous
+                from keras_dist.startup import rendezvous as _rendezvous
 
                 try:
                     _rendezvous.meet_peers(

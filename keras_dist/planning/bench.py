@@ -54,7 +54,7 @@ def iterations(size_bytes: int, budget_bytes: int = _BUDGET_BYTES) -> tuple[int,
 
 
 def _options(implementation: str, bytes_per_pack: int):
-    from keras_dist._communication import communication_options
+    from keras_dist.strategies.communication import communication_options
 
     return communication_options(implementation, bytes_per_pack)
 

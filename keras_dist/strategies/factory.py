@@ -11,7 +11,7 @@ returns a real TensorFlow strategy:
 
 Every strategy it returns has a `cluster_resolver` (task type and id `None` in one
 process, as `MultiWorkerMirroredStrategy` has there), so code written for multi-worker
-training runs unchanged (`keras_dist._local_strategies`).
+training runs unchanged (`keras_dist.strategies.one_device`).
 
 It also applies keras_dist's Keras 3 compatibility fixes (`keras_dist.compat`) once, and it
 remembers what it built: `MultiWorkerMirroredStrategy` must be created once per process,
@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from keras_dist import _rendezvous, _runtime
-from keras_dist._communication import communication_options  # noqa: F401 (old path)
-from keras_dist._communication import resolve_bytes_per_pack
-from keras_dist._strategy_args import (
+from keras_dist import _runtime
+from keras_dist.startup import early_init
+from keras_dist.startup import rendezvous as _rendezvous
+from keras_dist.strategies.communication import communication_options, resolve_bytes_per_pack
+from keras_dist.strategies.args import (
     _normalized_implementation,
     _second_multi_worker_message,
     _validate,
@@ -47,12 +48,10 @@ def strategy(
 ):
     """Creates (once) and returns the `tf.distribute.Strategy` for this process.
 
-    Call it after setting `TF_CONFIG` (or under Slurm, or under `keras-dist launch`)
-    and after `keras_dist.virtual_devices()` if used, and before building the model.
-    Datasets and tensors may be built before it, also in a multi-worker job, as long as
-    `import keras_dist` came before the first TensorFlow op. Calling it again with
-    arguments that resolve to the same strategy returns the same object (on a CPU-only
-    worker `implementation="auto"` and `"ring"` are the same).
+    Call it after setting `TF_CONFIG` (or under Slurm or `keras-dist launch`) and
+    `keras_dist.virtual_devices()`, before building the model. Datasets and tensors may
+    come first, also in a multi-worker job, if `import keras_dist` came before the first
+    TensorFlow op. Arguments that resolve to the same strategy return the same object.
 
     Args:
         kind: `"auto"` (choose from the cluster and devices), or force `"mirrored"`,
@@ -62,29 +61,22 @@ def strategy(
         implementation: All-reduce implementation: `"auto"`, `"ring"` or `"nccl"`.
             On CPU-only workers `"auto"` means RING.
         bytes_per_pack: Multi-worker all-reduce bucket size: gradients are all-reduced
-            in packs of about this many bytes, in reverse layer order, each issued as
-            soon as its gradients exist, so communication overlaps the backward pass.
-            `"auto"` (the default): keras_dist's measured default,
-            `keras_dist._communication.DEFAULT_BYTES_PER_PACK` (README, "Overlap"); 0:
-            one pack after the last gradient (TensorFlow's default).
+            in packs of about this many bytes, last layer first, each as soon as its
+            gradients exist (overlapping the backward pass). `"auto"` (default):
+            `keras_dist.strategies.communication.DEFAULT_BYTES_PER_PACK` (README,
+            "Overlap"); 0: one pack after the last gradient (TensorFlow's default).
         timeout_seconds: Abort a collective that has not finished after this long, so a
             peer that is alive but stuck becomes `tf.errors.DeadlineExceededError`
-            instead of a hang. None (the default): no per-collective timeout. A peer
-            that *dies* is detected without it: TensorFlow's coordination service fails
-            every survivor's collectives with `tf.errors.UnavailableError` (measured on
-            CPU, 2 workers: ~6 s for a killed worker, <1 s for a killed chief). There
-            is deliberately no default timeout: TensorFlow starts one thread per
-            collective that sleeps for `timeout_seconds` (measured: ~6 threads per
-            training step of a small model, so 600 s at 10 steps/s keeps ~36,000
-            threads alive, beyond many containers' pid limits). Set it for debugging
-            hangs, or where steps are slow enough that the thread count stays small.
+            instead of a hang. None (the default): no per-collective timeout, which is
+            deliberate (a dead peer is detected without it; a timeout costs a sleeping
+            thread per collective): see `keras_dist.strategies.communication`.
         cross_device_ops: A `tf.distribute.CrossDeviceOps` instance for
             `MirroredStrategy` (e.g. `tf.distribute.HierarchicalCopyAllReduce()`), as
             `tf.distribute.MirroredStrategy(cross_device_ops=...)` takes; only with
             `kind="auto"`/`"mirrored"` in one process and `implementation="auto"`. The
             same instance gives back the same strategy.
         startup_timeout_seconds: In a multi-worker job, how long to wait for every peer
-            before raising `keras_dist._rendezvous.StartupError` naming the missing ones;
+            before raising `keras_dist.startup.rendezvous.StartupError` naming the missing ones;
             None: `KERAS_DIST_STARTUP_TIMEOUT`, else 600 s. A duplicate task index or a
             port in use is an error within seconds; SIGTERM/SIGINT end the wait.
 
@@ -144,6 +136,8 @@ def _create(key, startup_timeout_seconds):
             raise RuntimeError(_second_multi_worker_message(created.key, key))
     if kind == "multi_worker":
         # Before anything runs an op: TensorFlow's own wait for peers has no deadline.
+        # TensorFlow's "configured at program startup" error is certain before any wait.
+        early_init.check_startup(cluster)
         _rendezvous.meet_peers(cluster, startup_timeout_seconds)
     from keras_dist import compat
 
@@ -204,7 +198,6 @@ def _build(kind, devices, cluster, implementation, bytes_per_pack, timeout_secon
     import tensorflow as tf
 
     if kind == "multi_worker":
-        from keras_dist import _early_init
 
         options = communication_options(implementation, bytes_per_pack, timeout_seconds)
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -218,13 +211,13 @@ def _build(kind, devices, cluster, implementation, bytes_per_pack, timeout_secon
                 cluster_resolver=resolver, communication_options=options
             )
         except (RuntimeError, ValueError) as error:
-            explained = _early_init.startup_error(cluster, error)
+            explained = early_init.startup_error(cluster, error)
             if explained is None:
                 raise
             raise explained from None
         _all_workers_ready()
         return created
-    from keras_dist import _local_strategies
+    from keras_dist.strategies import one_device as _local_strategies
 
     resolver = _local_strategies.cluster_resolver_for(cluster)
     if kind == "mirrored":
@@ -249,7 +242,7 @@ def _all_workers_ready() -> None:
     in 5 on 2 CPU cores). A coordination-service barrier after creation closes the race;
     it costs one round trip at start-up.
     """
-    from keras_dist import _rendezvous
+    from keras_dist.startup import rendezvous as _rendezvous
     from keras_dist.compat import coordination
 
     if not coordination.available():

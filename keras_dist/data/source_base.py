@@ -1,0 +1,28 @@
+"""`Source`: what every input source of `distribute_dataset` implements.
+
+Its own module so that the sources (`sources.py`, `ray_source.py`) and the code that picks
+one (`sources.make_source`) depend on it, not on each other.
+"""
+
+from __future__ import annotations
+
+# Default shuffle buffer (elements) when the shard size is unknown or the shard is too
+# big to hold twice: the value TensorFlow's own guides use.
+DEFAULT_SHUFFLE_BUFFER = 10_000
+
+
+class Source:
+    """One kind of input. Subclasses define `shard_sizes` and `worker_dataset`."""
+
+    def shard_sizes(self, num_workers: int, worker_batch: int) -> list[int] | None:
+        """Each worker's shard size, or None when it is not known without reading."""
+        return None
+
+    def default_shuffle_buffer(self, shard_size: int | None) -> int:
+        if shard_size is None:
+            return DEFAULT_SHUFFLE_BUFFER
+        return max(1, min(shard_size, DEFAULT_SHUFFLE_BUFFER))
+
+    def worker_dataset(self, num_workers, worker_index, worker_batch, input_context,
+                       shuffle, seed):  # pragma: no cover - abstract
+        raise NotImplementedError
