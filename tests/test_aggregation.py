@@ -11,6 +11,7 @@ import pytest
 
 from keras_dist.aggregation import AggregationConfig
 from keras_dist.testing import run_in_subprocess
+from helpers import initial_weights, max_diff
 
 LR = 0.1
 
@@ -20,14 +21,6 @@ def _data(examples=64, scale=1.0):
     x = rng.normal(size=(examples, 8)).astype("float32")
     y = (rng.normal(size=(examples, 4)) * scale).astype("float32")
     return x, y
-
-
-def _initial_weights():
-    rng = np.random.default_rng(1)
-    return [
-        (rng.normal(size=(8, 16)) * 0.5).astype("float32"), np.zeros(16, "float32"),
-        (rng.normal(size=(16, 4)) * 0.5).astype("float32"), np.zeros(4, "float32"),
-    ]
 
 
 def _train(strategy, batch_size, *, callbacks=(), optimizer="sgd", loss_scale=False,
@@ -42,7 +35,7 @@ def _train(strategy, batch_size, *, callbacks=(), optimizer="sgd", loss_scale=Fa
             keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
             keras.layers.Dense(4),
         ])
-        model.set_weights(_initial_weights())
+        model.set_weights(initial_weights())
         if optimizer == "sgd":
             opt = keras.optimizers.SGD(LR, **optimizer_kwargs)
         else:
@@ -57,7 +50,7 @@ def _train(strategy, batch_size, *, callbacks=(), optimizer="sgd", loss_scale=Fa
     )
     if stock_fit_first:  # traces a train function without keras_dist's hook
         model.fit(dataset, epochs=1, verbose=0, shuffle=False)
-        model.set_weights(_initial_weights())
+        model.set_weights(initial_weights())
         model.optimizer.iterations.assign(0)
     history = model.fit(dataset, epochs=1, verbose=0, shuffle=False,
                         callbacks=[*callbacks, recorder])
@@ -67,10 +60,6 @@ def _train(strategy, batch_size, *, callbacks=(), optimizer="sgd", loss_scale=Fa
         "batch_logs": batch_logs,
         "history": history.history,
     }
-
-
-def _max_diff(a, b):
-    return max(float(np.max(np.abs(p - q))) for p, q in zip(a, b))
 
 
 def _mirrored_figures():
@@ -89,21 +78,21 @@ def _mirrored_figures():
     ref = _train(one, 16)
     for name, strategy in (("plain_2", two), ("plain_4", four)):
         run = _train(strategy, 16, callbacks=[GradientAggregation()])
-        out[name] = _max_diff(ref["weights"], run["weights"])
+        out[name] = max_diff(ref["weights"], run["weights"])
 
     # Clipping: ours after the all-reduce vs single-device Keras global_clipnorm.
     ref_clip = _train(one, 16, global_clipnorm=0.5)
     ours = _train(two, 16, callbacks=[GradientAggregation(clipnorm=0.5)])
-    out["clip_2"] = _max_diff(ref_clip["weights"], ours["weights"])
-    out["clip_moves_weights"] = _max_diff(ref_clip["weights"], ref["weights"])
+    out["clip_2"] = max_diff(ref_clip["weights"], ours["weights"])
+    out["clip_moves_weights"] = max_diff(ref_clip["weights"], ref["weights"])
     stock = _train(two, 16, global_clipnorm=0.5)
-    out["stock_clip_2"] = _max_diff(ref_clip["weights"], stock["weights"])
+    out["stock_clip_2"] = max_diff(ref_clip["weights"], stock["weights"])
     # A train function traced by an earlier fit without the hook is rebuilt.
     retraced = _train(two, 16, stock_fit_first=True, callbacks=[GradientAggregation(clipnorm=0.5)])
-    out["clip_2_second_fit"] = _max_diff(ref_clip["weights"], retraced["weights"])
+    out["clip_2_second_fit"] = max_diff(ref_clip["weights"], retraced["weights"])
     # Keras' own global_clipnorm acts on the aggregated gradient once the hook is in.
     hooked_keras_clip = _train(two, 16, callbacks=[GradientAggregation()], global_clipnorm=0.5)
-    out["keras_clip_2_hooked"] = _max_diff(ref_clip["weights"], hooked_keras_clip["weights"])
+    out["keras_clip_2_hooked"] = max_diff(ref_clip["weights"], hooked_keras_clip["weights"])
 
     # Accumulation: 4 micro-batches of 16 == one batch of 64 (SGD, Adam, LSO).
     for name, kwargs in (("sgd", {}), ("adam", {"optimizer": "adam"}),
@@ -111,25 +100,25 @@ def _mirrored_figures():
         ref_big = _train(one, 64, examples=256, **kwargs)
         callback = GradientAggregation(accumulation_steps=4)
         run = _train(two, 16, examples=256, callbacks=[callback], **kwargs)
-        out[f"acc_{name}_2"] = _max_diff(ref_big["weights"], run["weights"])
+        out[f"acc_{name}_2"] = max_diff(ref_big["weights"], run["weights"])
         out[f"acc_{name}_2_counts"] = (callback.aggregator.all_reduce_count,
                                        run["iterations"], ref_big["iterations"])
     callback = GradientAggregation(accumulation_steps=4, compression="bf16", clipnorm=0.5)
     ref_big = _train(one, 64, examples=256, global_clipnorm=0.5)
     run = _train(four, 16, examples=256, callbacks=[callback])
-    out["acc_bf16_clip_4"] = _max_diff(ref_big["weights"], run["weights"])
+    out["acc_bf16_clip_4"] = max_diff(ref_big["weights"], run["weights"])
 
     for compression in ("bf16", "fp16"):
         callback = GradientAggregation(compression=compression)
         run = _train(four, 16, callbacks=[callback])
-        out[compression + "_4"] = _max_diff(ref["weights"], run["weights"])
+        out[compression + "_4"] = max_diff(ref["weights"], run["weights"])
         out[compression + "_4_fallbacks"] = callback.aggregator.fallback_count
 
     # fp16 overflow (targets x 1e6: gradients far above 65504) falls back to fp32.
     exact = _train(two, 16, scale=1e6, callbacks=[GradientAggregation()])
     callback = GradientAggregation(compression="fp16")
     run = _train(two, 16, scale=1e6, callbacks=[callback])
-    out["fp16_overflow_2"] = _max_diff(exact["weights"], run["weights"])
+    out["fp16_overflow_2"] = max_diff(exact["weights"], run["weights"])
     out["fp16_overflow_finite"] = all(np.isfinite(w).all() for w in run["weights"])
     out["fp16_overflow_fallbacks"] = (callback.aggregator.fallback_count,
                                       callback.aggregator.all_reduce_count)
@@ -139,7 +128,7 @@ def _mirrored_figures():
     with one.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
                                   keras.layers.Dense(4)])
-        model.set_weights(_initial_weights())
+        model.set_weights(initial_weights())
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(model(x[:16]) - y[:16]))
     grads = tape.gradient(loss, model.trainable_variables)
@@ -217,14 +206,14 @@ def test_one_replica_is_the_identity_and_features_still_work():
     default = tf.distribute.get_strategy()
     stock = _train(default, 16)
     ours = _train(default, 16, callbacks=[GradientAggregation()])
-    assert _max_diff(stock["weights"], ours["weights"]) == 0.0
+    assert max_diff(stock["weights"], ours["weights"]) == 0.0
     clipped = _train(default, 16, callbacks=[GradientAggregation(clipnorm=0.5)])
     keras_clip = _train(default, 16, global_clipnorm=0.5)
-    assert _max_diff(clipped["weights"], keras_clip["weights"]) < 1e-6
+    assert max_diff(clipped["weights"], keras_clip["weights"]) < 1e-6
     callback = GradientAggregation(accumulation_steps=4)
     accumulated = _train(default, 16, examples=256, callbacks=[callback])
     big_batch = _train(default, 64, examples=256)
-    assert _max_diff(accumulated["weights"], big_batch["weights"]) < 1e-6
+    assert max_diff(accumulated["weights"], big_batch["weights"]) < 1e-6
     assert callback.aggregator.all_reduce_count == 4
     assert accumulated["iterations"] == big_batch["iterations"] == 4
 

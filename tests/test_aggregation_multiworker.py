@@ -8,7 +8,8 @@ One call on the session's 2 shared workers (1 CPU replica each; tests/conftest.p
 import numpy as np
 import pytest
 
-from test_aggregation import _data, _max_diff, _train
+from helpers import max_diff
+from test_aggregation import _data, _train
 from test_compat_loss_scale import INITIAL_SCALE, _model, _poisoned_data
 
 pytestmark = pytest.mark.multiworker
@@ -99,18 +100,18 @@ def reference():
 def test_two_workers_equal_single_device(workers, reference):
     for worker in workers:
         assert worker["replicas"] == 2
-        assert _max_diff(worker["plain"], reference["plain"]) < 1e-5
-        assert _max_diff(worker["clip"], reference["clip"]) < 1e-5
+        assert max_diff(worker["plain"], reference["plain"]) < 1e-5
+        assert max_diff(worker["clip"], reference["clip"]) < 1e-5
         # Keras' own global_clipnorm acts on the aggregated gradient under
         # keras_dist.strategy() (the clip_after_all_reduce fix).
-        assert _max_diff(worker["stock_clip"], reference["clip"]) < 1e-5
+        assert max_diff(worker["stock_clip"], reference["clip"]) < 1e-5
         for name, weights in worker["packs"].items():
-            assert _max_diff(weights, reference[name]) < 1e-5, name
+            assert max_diff(weights, reference[name]) < 1e-5, name
 
 
 def test_two_workers_accumulate_and_all_reduce_once_per_k_steps(workers, reference):
     for worker in workers:
-        assert _max_diff(worker["accumulate"], reference["accumulate"]) < 1e-5
+        assert max_diff(worker["accumulate"], reference["accumulate"]) < 1e-5
         assert worker["accumulate_counts"] == (4, 4)  # 16 micro-steps, k=4
 
 

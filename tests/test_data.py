@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import keras_dist
 from keras_dist.testing import run_in_subprocess
+from helpers import write_tfrecords
 
 
 def _ids(batches, key=None):
@@ -22,21 +23,6 @@ def _ids(batches, key=None):
         leaf = tf.nest.flatten(batch if key is None else batch[key])[0]
         out.extend(np.asarray(leaf).reshape(len(leaf), -1)[:, 0].astype(int).tolist())
     return out
-
-
-def _write_tfrecords(directory, num_files, per_file):
-    paths = []
-    for file_index in range(num_files):
-        path = str(directory / f"part-{file_index:02d}.tfrecord")
-        with tf.io.TFRecordWriter(path) as writer:
-            for offset in range(per_file):
-                example_id = file_index * per_file + offset
-                value = tf.train.Int64List(value=[example_id])
-                feature = {"id": tf.train.Feature(int64_list=value)}
-                writer.write(tf.train.Example(
-                    features=tf.train.Features(feature=feature)).SerializeToString())
-        paths.append(path)
-    return paths
 
 
 def _parse_id(record):
@@ -74,7 +60,7 @@ def test_dataset_source_with_map_fn_and_repeat():
 
 
 def test_tfrecord_glob_and_list_sources(tmp_path):
-    paths = _write_tfrecords(tmp_path, num_files=3, per_file=7)
+    paths = write_tfrecords(tmp_path, num_files=3, per_file=7)
     for source in (str(tmp_path / "*.tfrecord"), paths[::-1]):
         data = keras_dist.distribute_dataset(source, 5, map_fn=_parse_id, seed=2)
         assert sorted(_ids(data)) == list(range(21))

@@ -10,24 +10,14 @@ Two worker runs, each folding several checks (a worker start costs ~8 s on 2 cor
 
 import numpy as np
 import pytest
-import tensorflow as tf
+
+from helpers import write_tfrecords
 
 
 pytestmark = pytest.mark.multiworker
 
 NUM_EXAMPLES = 1003
 PER_REPLICA = 8
-
-
-def _write_tfrecords(directory, num_files, per_file):
-    for file_index in range(num_files):
-        path = str(directory / f"part-{file_index:02d}.tfrecord")
-        with tf.io.TFRecordWriter(path) as writer:
-            for offset in range(per_file):
-                value = tf.train.Int64List(value=[file_index * per_file + offset])
-                example = tf.train.Example(features=tf.train.Features(
-                    feature={"id": tf.train.Feature(int64_list=value)}))
-                writer.write(example.SerializeToString())
 
 
 def _reading_worker(many_files_glob, one_file):
@@ -104,8 +94,8 @@ def _reading_worker(many_files_glob, one_file):
 def test_each_worker_reads_only_its_shard(tmp_path, worker_pool):
     (tmp_path / "many").mkdir()
     (tmp_path / "one").mkdir()
-    _write_tfrecords(tmp_path / "many", num_files=4, per_file=250)
-    _write_tfrecords(tmp_path / "one", num_files=1, per_file=NUM_EXAMPLES)
+    write_tfrecords(tmp_path / "many", num_files=4, per_file=250)
+    write_tfrecords(tmp_path / "one", num_files=1, per_file=NUM_EXAMPLES)
     results = worker_pool.run(
         _reading_worker, timeout=300,
         args=(str(tmp_path / "many" / "*.tfrecord"),

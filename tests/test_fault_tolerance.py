@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from keras_dist.launching.local import launch
+from helpers import max_diff
 
 pytestmark = pytest.mark.multiworker
 
@@ -74,10 +75,6 @@ def _weights(out_dir, worker=0):
         return [arrays[name] for name in arrays.files]
 
 
-def _max_difference(a, b):
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
-
-
 def _epochs_log(out_dir, worker=0):
     with open(os.path.join(out_dir, f"epochs-{worker}.txt")) as file:
         return [tuple(int(word) for word in line.split()[1::2]) for line in file]
@@ -96,7 +93,7 @@ def reference(tmp_path_factory):
                     timeout=240, stdout=io.StringIO())
     assert result.returncode == 0, result.message
     weights = _weights(out_dir)
-    assert _max_difference(weights, _weights(out_dir, 1)) == 0.0  # workers in sync
+    assert max_diff(weights, _weights(out_dir, 1)) == 0.0  # workers in sync
     return weights
 
 
@@ -164,7 +161,7 @@ def test_crash_with_max_restarts_resumes_from_the_backup(tmp_path, reference):
     assert "BackupAndRestore: resuming at epoch 2 (0-based), 0 batch(es) into it" in output
     for worker in (0, 1):
         assert _epochs_log(out_dir, worker) == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 3)]
-    difference = _max_difference(_weights(out_dir), reference)
+    difference = max_diff(_weights(out_dir), reference)
     print(f"max |weights - uninterrupted| = {difference:g}")
     assert difference < 1e-6
     assert not os.path.exists(tmp_path / "backup")  # deleted after the successful run
@@ -213,7 +210,7 @@ def test_sigterm_to_one_worker_saves_on_all_and_a_restart_resumes(tmp_path, refe
     result = launch(argv, 2, timeout=180, stdout=io.StringIO())
     assert result.returncode == 0, result.message
     assert _epochs_log(out_dir) == [(0, 0), (0, 1), (0, 1), (0, 2), (0, 3)]
-    difference = _max_difference(_weights(out_dir), reference)
+    difference = max_diff(_weights(out_dir), reference)
     print(f"max |weights - uninterrupted| = {difference:g}")
     assert difference < 1e-6
     _assert_gone(_pids(out_dir))

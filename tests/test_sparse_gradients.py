@@ -21,7 +21,8 @@ import os
 import numpy as np
 import pytest
 
-from keras_dist.testing import run_in_subprocess, start_on_workers
+from keras_dist.testing import run_in_subprocess
+from helpers import max_diff, start_workers_first
 
 # The matrix fixtures train every case before the first test that uses them returns.
 pytestmark = [pytest.mark.multiworker, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -213,11 +214,6 @@ def _train(strategy, model_name, option, initial_weights, *, dropout=0.0, refere
     return {"weights": model.get_weights(), "replica_spread": spread}
 
 
-def _max_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(p, "float64") - np.asarray(q, "float64"))))
-               for p, q in zip(a, b))
-
-
 def _matrix(strategy, with_references):
     """Every model under every option on `strategy` (+ one-device references)."""
     import time
@@ -268,11 +264,7 @@ def _on_each_worker():
 
 @pytest.fixture(scope="module")
 def _launch(request):
-    """The worker launch, started first (if any selected test uses it) so that its two
-    processes and the 2-device subprocess share the machine instead of taking turns."""
-    if not any("workers" in item.fixturenames for item in request.session.items):
-        return None
-    return start_on_workers(_on_each_worker, num_workers=2, timeout=900)
+    return start_workers_first(request, "workers", _on_each_worker, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -295,15 +287,15 @@ def _table(mirrored, workers):
             "| tolerance |", "|---|---|---|---|---|---|"]
     for model_name, option in _cases():
         key, reference = f"{model_name}/{option}", _reference(mirrored, model_name, option)
-        devices = _max_diff(mirrored["runs"][key]["weights"], reference)
-        chief = _max_diff(workers[0]["runs"][key]["weights"], reference)
-        identical = _max_diff(workers[0]["runs"][key]["weights"],
+        devices = max_diff(mirrored["runs"][key]["weights"], reference)
+        chief = max_diff(workers[0]["runs"][key]["weights"], reference)
+        identical = max_diff(workers[0]["runs"][key]["weights"],
                               workers[1]["runs"][key]["weights"]) == 0.0
         rows.append(f"| {model_name} | {option} | {devices:.1e} | {chief:.1e} | "
                     f"{'yes' if identical else 'NO'} | {_tolerance(model_name, option):.0e} |")
     for model_name in MODELS:
         key = f"{model_name}/dropout"
-        identical = _max_diff(workers[0]["runs"][key]["weights"],
+        identical = max_diff(workers[0]["runs"][key]["weights"],
                               workers[1]["runs"][key]["weights"]) == 0.0
         spread = mirrored["runs"][key]["replica_spread"]
         rows.append(f"| {model_name} | dropout 0.3 (identity only) | replica spread {spread} "
@@ -397,7 +389,7 @@ def test_two_devices_equal_one_device(mirrored, model_name, option):
     assert mirrored["replicas"] == 2
     run = mirrored["runs"][f"{model_name}/{option}"]
     assert run["replica_spread"] == 0.0
-    diff = _max_diff(run["weights"], _reference(mirrored, model_name, option))
+    diff = max_diff(run["weights"], _reference(mirrored, model_name, option))
     assert diff < _tolerance(model_name, option), f"{model_name}/{option}: {diff}"
 
 
@@ -407,8 +399,8 @@ def test_two_workers_identical_and_equal_one_device(workers, mirrored, model_nam
     key = f"{model_name}/{option}"
     chief, other = workers
     assert chief["replicas"] == other["replicas"] == 2
-    assert _max_diff(chief["runs"][key]["weights"], other["runs"][key]["weights"]) == 0.0
-    diff = _max_diff(chief["runs"][key]["weights"], _reference(mirrored, model_name, option))
+    assert max_diff(chief["runs"][key]["weights"], other["runs"][key]["weights"]) == 0.0
+    diff = max_diff(chief["runs"][key]["weights"], _reference(mirrored, model_name, option))
     assert diff < _tolerance(model_name, option), f"{key}: {diff}"
 
 
@@ -421,7 +413,7 @@ def test_dropout_keeps_replicas_identical(mirrored, model_name):
 @pytest.mark.parametrize("model_name", MODELS)
 def test_dropout_keeps_workers_identical(workers, model_name):
     key = f"{model_name}/dropout"
-    assert _max_diff(workers[0]["runs"][key]["weights"], workers[1]["runs"][key]["weights"]) \
+    assert max_diff(workers[0]["runs"][key]["weights"], workers[1]["runs"][key]["weights"]) \
         == 0.0
 
 
@@ -430,7 +422,7 @@ def test_keras_global_clipnorm_overcounts_sparse_rows(mirrored):
     # IndexedSlices values row by row, so repeated tokens inflate the norm and it clips
     # harder. (The stock runs keep Keras' one-device arithmetic, overcount included.)
     stock = mirrored["references"]["bert/stock_global_clipnorm"]
-    assert _max_diff(stock, mirrored["references"]["bert/clipnorm"]) > 1e-5
+    assert max_diff(stock, mirrored["references"]["bert/clipnorm"]) > 1e-5
 
 
 @pytest.mark.parametrize("model_name", STOCK_MODELS)
@@ -442,7 +434,7 @@ def test_stock_clipping_is_active(mirrored, model_name, option):
     references = mirrored["references"]
     unclipped = "accumulate" if "accumulate" in option else "none"
     clipped = references[f"{model_name}/{option}"]
-    assert _max_diff(clipped, references[f"{model_name}/{unclipped}"]) > 100 * EXACT
+    assert max_diff(clipped, references[f"{model_name}/{unclipped}"]) > 100 * EXACT
 
 
 # -- benchmark smoke -----------------------------------------------------------------

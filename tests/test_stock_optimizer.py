@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from keras_dist.testing import run_in_subprocess, start_on_workers
+from keras_dist.testing import run_in_subprocess
+from helpers import initial_weights, max_diff, start_workers_first
 
 # The fixtures train every case before the first test that uses them returns.
 pytestmark = [pytest.mark.multiworker, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -51,14 +52,6 @@ def _data():
     return x, y
 
 
-def _initial_weights():
-    rng = np.random.default_rng(1)
-    return [
-        (rng.normal(size=(8, 16)) * 0.5).astype("float32"), np.zeros(16, "float32"),
-        (rng.normal(size=(16, 4)) * 0.5).astype("float32"), np.zeros(4, "float32"),
-    ]
-
-
 def _optimizer(spec):
     import keras
 
@@ -84,7 +77,7 @@ def _model(strategy, spec):
             keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
             keras.layers.Dense(4),
         ])
-        model.set_weights(_initial_weights())
+        model.set_weights(initial_weights())
         model.compile(optimizer=_optimizer(spec), loss="mse")
     return model
 
@@ -125,10 +118,6 @@ def _custom_loop(strategy, spec):
     return {"weights": model.get_weights(), "iterations": int(optimizer.iterations.numpy())}
 
 
-def _max_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(p) - np.asarray(q)))) for p, q in zip(a, b))
-
-
 def _compare(strategy, one_device, references):
     """{case: {"diff", "iterations", "reference_iterations"}}; fills `references`."""
     out = {}
@@ -136,7 +125,7 @@ def _compare(strategy, one_device, references):
         ours = _fit(strategy, spec)
         reference = references[name] = _fit(one_device, spec)
         out[name] = {
-            "diff": _max_diff(ours["weights"], reference["weights"]),
+            "diff": max_diff(ours["weights"], reference["weights"]),
             "iterations": ours["iterations"],
             "reference_iterations": reference["iterations"],
         }
@@ -169,38 +158,34 @@ def _four_devices():
 
     loop_spec = {"optimizer": "adam", "global_clipnorm": 0.1, "gradient_accumulation_steps": 2}
     ours, reference = _custom_loop(strategy, loop_spec), _custom_loop(one, loop_spec)
-    out["custom_loop"] = {"diff": _max_diff(ours["weights"], reference["weights"]),
+    out["custom_loop"] = {"diff": max_diff(ours["weights"], reference["weights"]),
                           "iterations": (ours["iterations"], reference["iterations"])}
 
     # Never clip twice: GradientAggregation with the optimizer's own clipping clips once,
     # after the all-reduce; keras_dist's and Keras' clipping together are refused.
     clip = CASES["sgd_global_clipnorm"]
     clip_reference = references["sgd_global_clipnorm"]["weights"]
-    out["callback_and_keras_clip"] = _max_diff(
+    out["callback_and_keras_clip"] = max_diff(
         _fit(strategy, clip, [GradientAggregation()])["weights"], clip_reference)
     out["callback_clip_and_keras_clip"] = _error_of(
         lambda: _fit(strategy, clip, [GradientAggregation(clipnorm=0.05)]))
 
     # A tf.distribute strategy keras_dist did not create keeps stock Keras behaviour.
     plain = tf.distribute.MirroredStrategy(devices[:4])
-    out["plain_tf_distribute_clip"] = _max_diff(_fit(plain, clip)["weights"], clip_reference)
+    out["plain_tf_distribute_clip"] = max_diff(_fit(plain, clip)["weights"], clip_reference)
 
     # Without the fixes, upstream's behaviour comes back (what the fixes are for).
     os.environ["KERAS_DIST_DISABLE_COMPAT"] = ",".join(_OPTION_FIXES)
     compat.revert()
     compat.apply()
-    out["disabled_clip"] = _max_diff(_fit(strategy, clip)["weights"], clip_reference)
+    out["disabled_clip"] = max_diff(_fit(strategy, clip)["weights"], clip_reference)
     out["disabled_accumulate"] = _error_of(lambda: _fit(strategy, CASES["sgd_accumulate_4"]))
     return out
 
 
 @pytest.fixture(scope="module")
 def _launch(request):
-    """The worker launch, started first (if a selected test uses it) so that its two
-    processes and the 4-device subprocess share the machine instead of taking turns."""
-    if not any("two_workers" in item.fixturenames for item in request.session.items):
-        return None
-    return start_on_workers(_on_each_worker, num_workers=2, timeout=600)
+    return start_workers_first(request, "two_workers", _on_each_worker, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -267,6 +252,6 @@ def test_two_workers_equal_one_device(two_workers):
         assert worker["replicas"] == 2
         for name, reference in references.items():
             run = worker["runs"][name]
-            diff = _max_diff(run["weights"], reference["weights"])
+            diff = max_diff(run["weights"], reference["weights"])
             assert diff < TOLERANCE, (name, diff)
             assert run["iterations"] == reference["iterations"], name
