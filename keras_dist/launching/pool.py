@@ -157,11 +157,13 @@ class _Group:
         return self.thread.is_alive()
 
     def call(self, fn, args, kwargs, timeout) -> list:
-        self.calls += 1
-        number = self.calls
         staging = os.path.join(self.directory, "staging")
         os.makedirs(staging, exist_ok=True)
         payload = _core.payload("WorkerPool.run", staging, fn, args, kwargs, None)
+        # Numbered only once it exists: the workers wait for call-<k> in order, so an
+        # unpicklable call must not use up a number.
+        self.calls += 1
+        number = self.calls
         os.replace(payload, os.path.join(self.directory, f"call-{number}.pkl"))
         self.broken = True  # until every worker has answered
         records = self._wait(number, timeout)
