@@ -81,6 +81,9 @@ class WorkerPool:
         from keras_dist import _validation
 
         _validation.check_int("num_workers", num_workers, minimum=1)
+        if virtual_devices is not None:
+            _validation.check_int("virtual_devices", virtual_devices, minimum=1,
+                                  hint="Pass None to use the devices as they are.")
         self.num_workers = num_workers
         self.virtual_devices = virtual_devices
         self.env = dict(env or {})
