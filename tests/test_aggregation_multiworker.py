@@ -8,7 +8,7 @@ One call on the session's 2 shared workers (1 CPU replica each; tests/conftest.p
 import numpy as np
 import pytest
 
-from helpers import max_diff
+from helpers import initial_weights, max_diff
 from test_aggregation import _data, _train
 from test_compat_loss_scale import INITIAL_SCALE, _model, _poisoned_data
 
@@ -120,11 +120,9 @@ def test_gradient_norm_and_logs_are_global(workers):
     import tensorflow as tf
 
     x, y = _data()
-    from test_aggregation import _initial_weights
-
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
                               keras.layers.Dense(4)])
-    model.set_weights(_initial_weights())
+    model.set_weights(initial_weights())
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(model(x[:16]) - y[:16]))
     norm = float(tf.linalg.global_norm(tape.gradient(loss, model.trainable_variables)))
