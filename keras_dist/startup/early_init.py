@@ -19,9 +19,10 @@ initialised here, so `keras_dist.virtual_devices()` still works after `import ke
 A bad TF_CONFIG is left for `keras_dist.strategy()` to report.
 
 The first op then starts the server; `_meet_peers_before_the_first_op` makes it meet the
-peers first (`keras_dist.startup.rendezvous`: a deadline, missing workers named, SIGTERM honoured),
-and `check_startup` (called by the rendezvous) raises TensorFlow's certain "configured at
-program startup" error, explained, before any wait.
+peers first (`keras_dist.startup.rendezvous`: a deadline, missing workers named, SIGTERM
+honoured), and `check_startup` (which the rendezvous runs before it waits; both of its
+callers pass it) raises TensorFlow's certain "configured at program startup" error,
+explained, before any wait.
 
 Every private TensorFlow symbol it uses is in `_configure_collectives`, `_server_def` and
 `_meet_peers_before_the_first_op` (there is no public API for any of this).
@@ -109,11 +110,12 @@ def _warn_internals_changed() -> None:
 def check_startup(cluster: ClusterConfig) -> None:
     """Raises what `MultiWorkerMirroredStrategy` would, explained, before any wait for peers.
 
-    Called by the rendezvous before it waits: TensorFlow's "configured at program startup"
-    error (an op ran before `import keras_dist`, or the cluster changed after it) is
-    certain before the peers are met, so the user learns it at once instead of after the
-    startup timeout. When TensorFlow has not run an op yet, this prepares it exactly as
-    the import-time hook does (the cluster was set after `import keras_dist`).
+    Run by the rendezvous before it waits (`meet_peers(..., before_wait=check_startup)`):
+    TensorFlow's "configured at program startup" error (an op ran before
+    `import keras_dist`, or the cluster changed after it) is certain before the peers are
+    met, so the user learns it at once instead of after the startup timeout. When
+    TensorFlow has not run an op yet, this prepares it exactly as the import-time hook
+    does (the cluster was set after `import keras_dist`).
     """
     global state
     if state.configured and state.cluster == cluster:
@@ -201,18 +203,19 @@ def _meet_peers_before_the_first_op(cluster: ClusterConfig) -> None:
                 raise RuntimeError("keras_dist: TensorFlow cannot start this worker: "
                                    f"meeting its peers failed earlier ({failed[0]})")
             if owner.__dict__.get("ensure_initialized") is ensure_initialized:
-                from keras_dist.startup import rendezvous as _rendezvous
+                from keras_dist.startup import rendezvous, signal_watcher
 
                 try:
-                    _rendezvous.meet_peers(
+                    rendezvous.meet_peers(
                         cluster, during="keras_dist (TensorFlow's first op, which starts "
-                        "this worker's server before keras_dist.strategy())")
+                        "this worker's server before keras_dist.strategy())",
+                        before_wait=check_startup)
                 except BaseException as error:
                     failed.append(f"{type(error).__name__}: {error}")
                     raise
                 owner.ensure_initialized = original
                 original(self)
-                _rendezvous.after_server_start(cluster)
+                signal_watcher.after_server_start(cluster)
         return original(self)
 
     ensure_initialized._keras_dist_meets_peers = True

@@ -22,9 +22,10 @@ handshake (one JSON line each way) with every chief/worker task of the cluster:
   SIGTERM exits with 128 + 15 without the interpreter's slow shutdown, SIGINT raises
   KeyboardInterrupt;
 * before any wait, TensorFlow's certain "configured at program startup" error (an op ran
-  before `import keras_dist`, or the cluster changed after it) is raised, explained: the
-  callers run `keras_dist.startup.early_init.check_startup` first (`strategy()`), or are
-  the configured runtime's own start (early_init), so this module needs nothing of it.
+  before `import keras_dist`, or the cluster changed after it) is raised, explained: both
+  callers pass `keras_dist.startup.early_init.check_startup` as `before_wait`, which runs
+  once this task is known to take part (the start-up module owns that check; this one
+  only knows when to run it).
 
 Two callers: `keras_dist.strategy()`, and, when the script runs a TensorFlow op first (a
 dataset built before the strategy, as TensorFlow's tutorials do), that first op
@@ -46,10 +47,10 @@ import socket
 import sys
 import threading
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 from keras_dist import _validation
-from keras_dist.startup.signal_watcher import _connect, after_server_start  # noqa: F401
+from keras_dist.startup.signal_watcher import _connect
 
 __all__ = ["StartupError", "meet_peers", "startup_timeout", "DEFAULT_STARTUP_TIMEOUT"]
 
@@ -94,10 +95,13 @@ def startup_timeout(value, environ: Mapping[str, str] | None = None) -> float:
 
 def meet_peers(cluster, timeout_seconds: float | None = None,
                environ: Mapping[str, str] | None = None,
-               during: str = "keras_dist.strategy()") -> None:
+               during: str = "keras_dist.strategy()",
+               before_wait: Callable[[object], None] | None = None) -> None:
     """Waits until every chief/worker task of `cluster` is up, or raises `StartupError`.
 
-    `during` names what is starting, for the messages.
+    `during` names what is starting, for the messages. `before_wait(cluster)`, when
+    given, runs once this task is known to take part, before any wait (the callers pass
+    `early_init.check_startup`, so its certain error is raised at once).
     """
     deadline = time.monotonic() + startup_timeout(timeout_seconds, environ)
     tasks = {(job, index): address for job in _JOBS
@@ -105,6 +109,9 @@ def meet_peers(cluster, timeout_seconds: float | None = None,
     me = (cluster.task_type, cluster.task_index)
     if me not in tasks:
         return  # an evaluator or ps task: not part of the collective group
+    # TensorFlow's "configured at program startup" error is certain before any wait.
+    if before_wait is not None:
+        before_wait(cluster)
     address = tasks.pop(me)
     port = int(address.rsplit(":", 1)[1])
     digest = hashlib.sha256(json.dumps({job: list(cluster.cluster.get(job, ()))

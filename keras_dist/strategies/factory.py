@@ -136,9 +136,8 @@ def _create(key, startup_timeout_seconds):
             raise RuntimeError(_second_multi_worker_message(created.key, key))
     if kind == "multi_worker":
         # Before anything runs an op: TensorFlow's own wait for peers has no deadline.
-        # TensorFlow's "configured at program startup" error is certain before any wait.
-        early_init.check_startup(cluster)
-        _rendezvous.meet_peers(cluster, startup_timeout_seconds)
+        _rendezvous.meet_peers(cluster, startup_timeout_seconds,
+                               before_wait=early_init.check_startup)
     from keras_dist import compat
 
     compat.apply()
