@@ -233,7 +233,7 @@ def test_patch_remembers_upstream_once():
 @pytest.mark.multiworker
 @pytest.mark.slow
 def test_a_changed_startup_internal_is_named_at_import_under_a_multi_worker_job():
-    """_early_init's TensorFlow internals are registered; a missing one is named."""
+    """startup.early_init's TensorFlow internals are registered; a missing one is named."""
     import json
     import subprocess
     import sys

@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from keras_dist.data.source_base import DEFAULT_SHUFFLE_BUFFER, Source  # noqa: F401
+from keras_dist.data.source_base import Source
 
-# Arrays fit in memory by definition, so their shard is shuffled whole up to
-# _MAX_SHUFFLE_BYTES (DEFAULT_SHUFFLE_BUFFER when larger).
+# Arrays fit in memory by definition, so their shard is shuffled whole, up to
+# _MAX_SHUFFLE_BYTES of it.
 _MAX_SHUFFLE_BYTES = 1 << 30
 # TFRecord files read concurrently per worker; enough to hide file latency without
 # opening every file of a large shard at once.

@@ -1,7 +1,7 @@
 """Argument checks and keys of `keras_dist.strategy()`: what it accepts, and when two calls agree.
 
-Split from `keras_dist.strategy` (house rule 2). Every error names the argument, what was
-received, what is expected and what to do.
+Split from the factory (`keras_dist.strategies.factory`, house rule 2). Every error names
+the argument, what was received, what is expected and what to do.
 """
 
 from __future__ import annotations

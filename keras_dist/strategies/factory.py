@@ -23,15 +23,15 @@ from __future__ import annotations
 from typing import Sequence
 
 from keras_dist import _runtime
+from keras_dist.cluster import ClusterConfig
 from keras_dist.startup import early_init
 from keras_dist.startup import rendezvous as _rendezvous
-from keras_dist.strategies.communication import communication_options, resolve_bytes_per_pack
 from keras_dist.strategies.args import (
     _normalized_implementation,
     _second_multi_worker_message,
     _validate,
 )
-from keras_dist.cluster import ClusterConfig
+from keras_dist.strategies.communication import communication_options, resolve_bytes_per_pack
 
 __all__ = ["strategy", "resolve_strategy"]
 
@@ -197,7 +197,6 @@ def _build(kind, devices, cluster, implementation, bytes_per_pack, timeout_secon
     import tensorflow as tf
 
     if kind == "multi_worker":
-
         options = communication_options(implementation, bytes_per_pack, timeout_seconds)
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec({k: list(v) for k, v in cluster.cluster.items()}),
@@ -216,18 +215,18 @@ def _build(kind, devices, cluster, implementation, bytes_per_pack, timeout_secon
             raise explained from None
         _all_workers_ready()
         return created
-    from keras_dist.strategies import one_device as _local_strategies
+    from keras_dist.strategies import one_device
 
-    resolver = _local_strategies.cluster_resolver_for(cluster)
+    resolver = one_device.cluster_resolver_for(cluster)
     if kind == "mirrored":
         if cross_device_ops is None:
             cross_device_ops = _mirrored_cross_device_ops(devices, implementation,
                                                            bytes_per_pack)
-        return _local_strategies.MirroredStrategy(
+        return one_device.MirroredStrategy(
             devices=list(devices), cross_device_ops=cross_device_ops,
             cluster_resolver=resolver,
         )
-    return _local_strategies.OneDeviceStrategy(devices[0], cluster_resolver=resolver)
+    return one_device.OneDeviceStrategy(devices[0], cluster_resolver=resolver)
 
 
 def _all_workers_ready() -> None:
@@ -241,7 +240,6 @@ def _all_workers_ready() -> None:
     in 5 on 2 CPU cores). A coordination-service barrier after creation closes the race;
     it costs one round trip at start-up.
     """
-    from keras_dist.startup import rendezvous as _rendezvous
     from keras_dist.compat import coordination
 
     if not coordination.available():
