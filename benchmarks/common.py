@@ -135,23 +135,9 @@ def seed_pipeline(x, y, global_batch: int, shuffle_buffer: int | None = None):
 
 
 def gradient_aggregation(**kwargs):
-    """`keras_dist.callbacks.GradientAggregation(**kwargs)`; returns (callback, how).
+    """`keras_dist.callbacks.GradientAggregation(**kwargs)`; returns (callback, how)."""
+    from keras_dist.callbacks import GradientAggregation
 
-    Until `keras_dist/callbacks.py` exists, a stand-in that calls
-    `keras_dist.aggregation.install` at `on_train_begin` (what the callback does).
-    """
-    try:
-        from keras_dist.callbacks import GradientAggregation
-    except ImportError:
-        import keras
-
-        from keras_dist import aggregation
-
-        class _Install(keras.callbacks.Callback):
-            def on_train_begin(self, logs=None):
-                aggregation.install(self.model.optimizer, **kwargs)
-
-        return _Install(), "keras_dist.aggregation.install (callbacks.py not yet available)"
     return GradientAggregation(**kwargs), "keras_dist.callbacks.GradientAggregation"
 
 
