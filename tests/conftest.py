@@ -13,6 +13,7 @@ otherwise, so a slow test cannot hide in the fast lane unmarked.
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -120,7 +121,7 @@ SHARES_PROCESS_WITH = {"tests/test_parallel_sharded.py": "tests/test_parallel_pi
 def _uses_the_pool(module_path: str) -> bool:
     try:
         with open(module_path) as file:
-            return "worker_pool" in file.read()
+            return re.search(r"\bworker_pool\b", file.read()) is not None
     except OSError:
         return False
 

@@ -283,6 +283,7 @@ def _mirrored_checks():
 
 @pytest.mark.timeout(300)
 @pytest.mark.multiworker
+@pytest.mark.slow
 def test_mirrored_four_devices_matches_single_device_training():
     result = run_in_subprocess(_mirrored_checks, virtual_devices=4, timeout=240)
     assert result["replicas"] == 4

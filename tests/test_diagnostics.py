@@ -49,6 +49,7 @@ def workers(tmp_path_factory):
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_step_time_monitor_names_the_worker_that_sleeps_50_ms_per_step(workers):
     chief, other = workers
     assert len(chief["lines"]) == 2 and other["lines"] == []  # the chief reports
@@ -64,6 +65,7 @@ def test_step_time_monitor_names_the_worker_that_sleeps_50_ms_per_step(workers):
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_profiler_writes_a_trace_for_each_worker(workers):
     files = workers[0]["files"]
     for index in (0, 1):

@@ -99,6 +99,7 @@ def test_output_streams_into_sys_stdout_with_worker_prefixes(capsys):
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_exception_in_a_worker_raises_worker_error_with_its_traceback():
     started = time.monotonic()
     with pytest.raises(WorkerError) as raised:
@@ -114,6 +115,7 @@ def test_exception_in_a_worker_raises_worker_error_with_its_traceback():
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_killed_worker_raises_worker_error_and_leaves_nothing(tmp_path):
     with pytest.raises(WorkerError, match=r"worker 1 .*died without returning a result.*"
                                           r"SIGKILL \(9\)") as raised:

@@ -140,6 +140,7 @@ def _collectives_for_three_large_tensors(chosen):
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow
 def test_no_cluster_gives_one_device_mirrored_with_a_cluster_resolver():
     result = run_in_subprocess(_no_cluster_choice, timeout=120)
     assert result["replicas"] == 1

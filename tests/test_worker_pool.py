@@ -40,6 +40,7 @@ def _exit_on_worker_1():
     return "fine"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_pool_reuses_its_workers_isolates_calls_and_recovers_from_a_dead_one(tmp_path):
     with WorkerPool(num_workers=2) as pool:

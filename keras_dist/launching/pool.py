@@ -18,7 +18,8 @@ goes on with k+1. Between calls each worker restores its environment variables (
 `tempfile`'s cached directory) and working directory and clears Keras' global state (`keras.backend.clear_session`), so a
 call sees what a fresh worker would, except that TensorFlow's runtime, the strategy that
 `keras_dist.strategy()` created, and anything else made once per process are shared.
-It stops on `DIR/stop`, or when its parent process is gone.
+It stops on `DIR/stop`, or when its parent process is gone, at once (`os._exit`: it is
+idle, and TensorFlow's exit handlers would wait on the peers).
 
 A call that raised on every worker leaves the pool as it was. One that a worker did not
 finish (it died, or it still runs `_ERROR_GRACE_SECONDS` after a peer raised: left
@@ -49,7 +50,7 @@ _POLL_SECONDS = 0.01
 # After one worker reported an error, how long the others get to report theirs before
 # the pool is taken for stuck (a peer left waiting in a collective).
 _ERROR_GRACE_SECONDS = 5.0
-# How long idle workers get to exit on their own (TensorFlow's shutdown) before a kill.
+# How long idle workers get to exit on their own before a kill (they exit at once).
 _STOP_SECONDS = 15.0
 
 
@@ -233,7 +234,7 @@ def _kill(pid_file: str) -> None:
 
 # -- the worker's end -----------------------------------------------------------------
 def serve(directory: str) -> int:
-    """Runs calls from `directory` in order until told to stop; the exit code."""
+    """Runs calls from `directory` in order until told to stop, then ends the process."""
     index = _worker.task_index()
     with open(os.path.join(directory, f"pid-{index}"), "w") as file:
         file.write(str(os.getpid()))
@@ -247,7 +248,11 @@ def serve(directory: str) -> int:
         call = os.path.join(directory, f"call-{number}.pkl")
         while not os.path.exists(call):
             if os.path.exists(os.path.join(directory, "stop")) or not _alive(setup["parent"]):
-                return 0
+                # Idle, every call answered: skip the interpreter's and TensorFlow's exit
+                # handlers (a multi-worker runtime waits on its peers there for seconds).
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
             time.sleep(_POLL_SECONDS)
         environ, cwd = dict(os.environ), os.getcwd()
         try:
