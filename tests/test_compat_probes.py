@@ -20,6 +20,7 @@ keras = pytest.importorskip("keras")
 
 from keras_dist import compat  # noqa: E402
 from keras_dist.compat import _keras_tf, _patch, registry  # noqa: E402
+from keras_dist.compat._internals import _base_trainer  # noqa: E402
 
 
 @pytest.fixture()
@@ -78,6 +79,19 @@ CASES = {
         _keras_tf.tf_optimizer_class, "_backend_apply_gradients",
         r"ops\.cond\(",
         "cross_replica_cond(",
+    ),
+    # A fixed upstream would stop scaling losses for a SUM all-reduce.
+    "custom_step_loss_scale": (
+        lambda: __import__("keras.src.losses.loss", fromlist=["loss"]),
+        "scale_loss_for_distribution",
+        r"1\.0 / num_replicas",
+        "1.0",
+    ),
+    # A fixed upstream would not trace call() for a model that has none.
+    "build_models_without_call": (
+        lambda: _base_trainer(), "_symbolic_build",
+        r"model_unbuilt = not all\(",
+        "model_unbuilt = type(self).call is not __import__('keras').Model.call and not all(",
     ),
     "stock_writers_multi_worker": (
         lambda: keras.callbacks.ModelCheckpoint, "_save_model",

@@ -30,8 +30,8 @@ import threading
 import warnings
 
 from keras_dist.compat import (
-    _patch, _probe, loss_scale, optimizer_options, reduce_per_replica, registry,
-    symbolic_build, writers,
+    _patch, _probe, build_without_call, loss_scale, optimizer_options, reduce_per_replica,
+    registry, step_loss_scale, symbolic_build, writers,
 )
 from keras_dist.compat._fix import Fix
 from keras_dist.compat._keras_tf import keras_version
@@ -44,8 +44,9 @@ __all__ = [
 ]
 
 FIXES: tuple[Fix, ...] = (
-    symbolic_build.FIX, reduce_per_replica.FIX, loss_scale.FIX,
-    optimizer_options.CLIP_FIX, optimizer_options.CONDS_FIX, writers.FIX,
+    symbolic_build.FIX, build_without_call.FIX, reduce_per_replica.FIX,
+    step_loss_scale.FIX, loss_scale.FIX, optimizer_options.CLIP_FIX,
+    optimizer_options.CONDS_FIX, writers.FIX,
 )
 
 _lock = threading.Lock()

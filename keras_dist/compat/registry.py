@@ -23,6 +23,7 @@ from keras_dist.compat._internals import (  # noqa: F401 (Internal: re-exported)
     _tf_data_classes,
     _base_trainer,
     _base_optimizer,
+    _keras_module,
     _LSO,
     _TRAINER,
     _TRAINER_MODULE,
@@ -47,6 +48,38 @@ INTERNALS: tuple[Internal, ...] = (
         "The symbolic_build fix asks whether the model was built under a strategy.",
         ("strategy",), "the trainer's `distribute_strategy` property reads it",
         _code_mentions(_TRAINER, "distribute_strategy", r"_distribute_strategy")),
+    Internal(
+        "keras.Trainer._symbolic_build",
+        "Patched by the build_models_without_call fix (keras#20164): skipped for models "
+        "without call(), as Keras does without a strategy.",
+        ("strategy",), "the TF trainer's `_maybe_symbolic_build` still calls it",
+        _all(_attribute(_base_trainer, "_symbolic_build"),
+             _code_mentions(_TRAINER, "_maybe_symbolic_build", r"self\._symbolic_build\("))),
+    Internal(
+        "keras.TFTrainer._make_function",
+        "Patched by the custom_step_loss_scale fix (keras#14104): the step it wraps runs "
+        "with per-replica mean losses.",
+        ("strategy",), "`make_train_function` still passes `train_step` through it",
+        _code_mentions(_TRAINER, "make_train_function",
+                       r"self\._make_function\( ?self\.train_step ?\)")),
+    *(Internal(
+        f"keras.losses.{name}",
+        "Patched by the custom_step_loss_scale fix: the identity inside fit's steps. "
+        "Keras looks it up in its module at call time.",
+        ("strategy",), f"attribute lookup; {where} still calls it",
+        _all(_attribute(_keras_module("keras.src.losses.loss"), name),
+             _code_mentions(owner, method, rf"\b{name}\(")))
+      for name, owner, method, where in (
+          ("scale_loss_for_distribution", _keras_module("keras.src.losses.loss"),
+           "reduce_values", "`reduce_values` (every `Loss`'s mean reduction)"),
+          ("unscale_loss_for_distribution", _TRAINER, "train_step",
+           "the TF trainer's `train_step`"))),
+    Internal(
+        "keras.Optimizer.apply",
+        "Patched by the custom_step_loss_scale fix: divides gradients by the replica "
+        "count inside fit's steps (where losses are no longer scaled).",
+        ("strategy",), "`apply_gradients` still calls it",
+        _code_mentions(_base_optimizer, "apply_gradients", r"self\.apply\(")),
     Internal(
         "keras.trainer.reduce_per_replica",
         "Patched by the reduce_per_replica_scalar fix (keras#20585); the trainer looks "

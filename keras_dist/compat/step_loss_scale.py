@@ -1,0 +1,147 @@
+"""Fix: a custom `train_step` reports its loss divided by the number of replicas.
+
+keras-team/keras#14104, tensorflow/tensorflow#55321. The gradient all-reduce of Keras'
+TF optimizer is a SUM, so Keras scales every loss it computes in replica context by
+1/num_replicas (`keras.src.losses.loss.scale_loss_for_distribution`: `Loss` objects,
+`compute_loss`, `add_loss`). Only the built-in `train_step`/`test_step` undo the scaling
+before updating their loss tracker. A step of one's own (a GAN, a VAE) that puts such a
+loss into a `keras.metrics.Mean` reports 1/N of the global mean in `history`, the
+progress bar and `evaluate()`; one that uses a loss *function* (unscaled) reports the
+right number but gets N-times gradients.
+
+keras_dist gives the step functions that `fit`, `evaluate` and `train_on_batch` run on
+each replica one-device semantics instead:
+
+* losses are not scaled there: each replica's loss is the mean over its own examples, as
+  on one device, so whatever a step tracks (`Mean` trackers are on-read sums, averaged
+  over replicas when reported) is the global mean;
+* `optimizer.apply()` (also `apply_gradients`) multiplies each gradient by 1/N before
+  the all-reduce: the same gradients Keras' scaled loss gave (bit-identical for N a
+  power of two), now also for losses the step computes with plain functions;
+* `tf.nn.compute_average_loss` / `tf.nn.scale_regularization_loss` (TensorFlow's
+  idiom, already divided by the global batch / N) are multiplied back by N there.
+
+Outside those step functions -- custom training loops that call `strategy.run`
+themselves, following TensorFlow's convention -- Keras' own scaling stays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+from keras_dist.compat import _internals, _keras_tf, _patch, _probe
+from keras_dist.compat._fix import Fix
+
+NAME = "custom_step_loss_scale"
+# Upstream divides every loss by the replica count (and relies on a SUM all-reduce).
+BUG_PATTERN = r"1\.0 ?/ ?num_replicas"
+_state = threading.local()
+
+
+def _loss_module():
+    from keras.src.losses import loss
+
+    return loss
+
+
+def in_step() -> bool:
+    """Whether this thread is tracing a Keras step function on a replica."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _step():
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def _replicas() -> int:
+    """The replicas in sync when in a replica context of a strategy, else 1."""
+    import tensorflow as tf
+
+    if tf.distribute.in_cross_replica_context():
+        return 1
+    context = tf.distribute.get_replica_context()
+    return 1 if context is None else int(context.num_replicas_in_sync)
+
+
+def probe(function=None) -> str:
+    """PRESENT while Keras scales losses by 1/num_replicas for a SUM all-reduce."""
+    if not _keras_tf.uses_tensorflow_backend():
+        return _probe.FIXED
+    function = function or _patch.original(_loss_module(), "scale_loss_for_distribution")
+    return _probe.verdict_from_source(function, BUG_PATTERN, required=r"num_replicas")
+
+
+def _run_steps_per_replica_mean(trainer) -> None:
+    original = _patch.original(trainer, "_make_function")
+
+    @functools.wraps(original)
+    def _make_function(self, step_function):
+        @functools.wraps(step_function)
+        def step_with_local_mean_losses(data):
+            with _step():
+                return step_function(data)
+
+        return original(self, step_with_local_mean_losses)
+
+    _patch.patch(trainer, "_make_function", _make_function, fix=NAME)
+
+
+def _unscaled_in_steps(owner, name: str, rescale=None) -> None:
+    original = _patch.original(owner, name)
+
+    @functools.wraps(original)
+    def function(value, *args, **kwargs):
+        if not in_step():
+            return original(value, *args, **kwargs)
+        if rescale is None:
+            return value
+        result = original(value, *args, **kwargs)
+        replicas = _replicas()
+        return result if replicas == 1 else result * replicas
+
+    _patch.patch(owner, name, function, fix=NAME)
+
+
+def _gradients_divided_in_steps(optimizer_class) -> None:
+    original = _patch.original(optimizer_class, "apply")
+
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        replicas = _replicas() if in_step() else 1
+        if replicas > 1:
+            grads = [g if g is None else g * (1.0 / replicas) for g in grads]
+        return original(self, grads, trainable_variables)
+
+    _patch.patch(optimizer_class, "apply", apply, fix=NAME)
+
+
+def apply() -> None:
+    import tensorflow as tf
+
+    loss_module = _loss_module()
+    _run_steps_per_replica_mean(_keras_tf.trainer_class())
+    _unscaled_in_steps(loss_module, "scale_loss_for_distribution")
+    _unscaled_in_steps(loss_module, "unscale_loss_for_distribution")
+    _unscaled_in_steps(tf.nn, "compute_average_loss", rescale=True)
+    _unscaled_in_steps(tf.nn, "scale_regularization_loss", rescale=True)
+    _gradients_divided_in_steps(_internals._base_optimizer())
+
+
+FIX = Fix(
+    name=NAME,
+    upstream="keras-team/keras#14104, tensorflow/tensorflow#55321",
+    summary="Inside fit/evaluate's steps each replica's loss is its local mean (what a "
+    "custom train_step tracks is the global mean) and the optimizer divides gradients "
+    "by the replica count instead.",
+    symbols=("keras.TFTrainer._make_function", "keras.losses.scale_loss_for_distribution",
+             "keras.losses.unscale_loss_for_distribution", "keras.Optimizer.apply"),
+    probe=probe,
+    apply=apply,
+)
