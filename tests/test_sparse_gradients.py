@@ -4,8 +4,8 @@ Embedding tables get `tf.IndexedSlices` gradients. The matrix below trains three
 architectures — a tiny keras_hub `BertBackbone` (embeddings, padding mask, pooled output
 + Dense head), a tiny `GPT2Backbone` causal LM (Dense head, so the token embedding's
 gradient stays sparse) and a conv net with `BatchNormalization(synchronized=True)`,
-Dropout and mixed precision — under every `GradientAggregation` option, and the two
-models with embeddings also under the stock optimizer options (`clipnorm`,
+Dropout and mixed precision — under every `GradientAggregation` option, and BERT
+also under the stock optimizer options (`clipnorm`,
 `global_clipnorm`, `clipvalue`, `gradient_accumulation_steps`; no keras_dist callback),
 on 2 virtual devices (one subprocess) and on 2 launched workers (one launch, running
 alongside). Each mode returns its whole matrix as data; the tests assert on it. Each
@@ -29,9 +29,11 @@ pytestmark = [pytest.mark.multiworker, pytest.mark.slow, pytest.mark.timeout(120
 
 MODELS = ("bert", "gpt2", "convnet")
 OPTIONS = ("none", "clipnorm", "bf16", "fp16", "accumulate")
-# Stock Keras optimizer options (no keras_dist callback) on the models with embeddings,
-# whose sparse gradients go through Keras' own clipping and accumulators.
-STOCK_MODELS = ("bert", "gpt2")
+# Stock Keras optimizer options (no keras_dist callback) on a model with embeddings, whose
+# sparse gradients go through Keras' own clipping and accumulators. BERT only: GPT-2's
+# runs of these options repeated the same assertion (the token embedding's IndexedSlices
+# through Keras' clipping and accumulators after the all-reduce) at ~40 CPU-seconds.
+STOCK_MODELS = ("bert",)
 # `clipvalue` shares a run with `gradient_accumulation_steps` (Keras clips the averaged
 # gradient of the update step; keras_dist, after its all-reduce), and `stock_accumulate`
 # alone equals one device with the k-times batch ("accumulate"'s reference).
