@@ -172,3 +172,31 @@ def test_trained_parts_save_and_load(request, mode):
     for result in results if isinstance(results, list) else [results]:
         for name in ("gan", "gan_fixed_noise", "vae"):
             assert result[name]["saved_parts_diff"] <= 1e-6, name
+
+
+# -- each fix is needed (keras_dist.compat: build_models_without_call, custom_step_loss_scale)
+def _train_one(name):
+    import keras_dist
+
+    return _plain(corpus.train(name, keras_dist.strategy(), evaluate=False))
+
+
+@pytest.mark.slow
+def test_without_the_build_fix_a_model_without_call_fails_on_one_device():
+    from keras_dist.testing import WorkerError
+
+    with pytest.raises(WorkerError, match=r"does not have a `call\(\)` method"):
+        run_in_subprocess(_train_one, args=("gan",), timeout=300,
+                          env={"KERAS_DIST_DISABLE_COMPAT": "build_models_without_call"})
+
+
+@pytest.mark.slow
+def test_without_the_loss_fix_two_replicas_report_half_the_loss(one_device):
+    result = run_in_subprocess(_train_one, args=("own_test_step",), virtual_devices=2,
+                               timeout=300,
+                               env={"KERAS_DIST_DISABLE_COMPAT": "custom_step_loss_scale"})
+    reference = one_device["one_device"]["own_test_step"]
+    # The weights are right either way; only what the step tracks is off.
+    assert max_diff(result["weights"], reference["weights"]) <= TOLERANCE
+    assert np.allclose(result["history"]["loss"],
+                       np.asarray(reference["history"]["loss"]) / 2, rtol=1e-5)
