@@ -200,3 +200,134 @@ def test_without_the_loss_fix_two_replicas_report_half_the_loss(one_device):
     assert max_diff(result["weights"], reference["weights"]) <= TOLERANCE
     assert np.allclose(result["history"]["loss"],
                        np.asarray(reference["history"]["loss"]) / 2, rtol=1e-5)
+
+
+# -- the options keras_dist makes exact, on each optimizer of a two-optimizer GAN --------
+OPTIONS = {
+    # name: (train() arguments, the one-device run it must equal, tolerance)
+    "global_clipnorm": (dict(global_clipnorm=0.05), "global_clipnorm", TOLERANCE),
+    "clipnorm": (dict(clipnorm=0.02), "clipnorm", TOLERANCE),
+    "gradient_accumulation_steps": (dict(gradient_accumulation_steps=2),
+                                    "gradient_accumulation_steps", TOLERANCE),
+    # keras_dist's clipnorm is Keras' global_clipnorm on the aggregated gradient: each
+    # optimizer clips its own gradients by their own norm.
+    "GradientAggregation": ("aggregation", "global_clipnorm", TOLERANCE),
+    # LossScaleOptimizer around each optimizer, mixed_float16 (measured 3.4e-6).
+    "mixed_precision": (dict(optimizer="sgd_loss_scale"), "mixed_precision", 1e-4),
+}
+
+
+def _options_on(strategy, directory):
+    import os
+
+    import keras_dist
+
+    out = {}
+    for option, (arguments, _, _) in OPTIONS.items():
+        if arguments == "aggregation":
+            arguments = dict(callbacks=[keras_dist.callbacks.GradientAggregation(
+                clipnorm=0.05)])
+        arguments = {"optimizer": "sgd", **arguments}
+        out[option] = _plain(corpus.train("gan_fixed_noise", strategy, evaluate=False,
+                                          **arguments))
+    # BackupAndRestore with Adam (both optimizers' moments): an interrupted run (its last
+    # backup mid-epoch 1) resumed to 3 epochs equals the uninterrupted run.
+    backup_dir = os.path.join(directory, "backup")
+
+    def backup(**kwargs):
+        return [keras_dist.callbacks.BackupAndRestore(backup_dir, save_freq=3, **kwargs)]
+
+    out["uninterrupted"] = _plain(corpus.train("gan_fixed_noise", strategy, optimizer="adam",
+                                               evaluate=False))
+    corpus.train("gan_fixed_noise", strategy, optimizer="adam", evaluate=False, epochs=2,
+                 callbacks=backup(delete_checkpoint=False))
+    out["resumed"] = _plain(corpus.train("gan_fixed_noise", strategy, optimizer="adam",
+                                         evaluate=False, callbacks=backup()))
+    return out
+
+
+def _options_here(directory):
+    import keras_dist
+
+    return _options_on(keras_dist.strategy(), directory)
+
+
+@pytest.fixture(scope="module")
+def options_one_device(tmp_path_factory):
+    return run_in_subprocess(_options_here, args=(str(tmp_path_factory.mktemp("o1")),),
+                             timeout=400)
+
+
+@pytest.fixture(scope="module")
+def options_two_devices(tmp_path_factory):
+    return run_in_subprocess(_options_here, args=(str(tmp_path_factory.mktemp("o2")),),
+                             virtual_devices=2, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def options_two_workers(worker_pool, tmp_path_factory):
+    return worker_pool.run(_options_here, args=(str(tmp_path_factory.mktemp("ow")),),
+                           timeout=400)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("mode", ["options_two_devices", "options_two_workers"])
+def test_each_optimizer_of_a_gan_gets_the_option(request, options_one_device, mode, option):
+    results = request.getfixturevalue(mode)
+    _, reference_name, tolerance = OPTIONS[option]
+    reference = options_one_device[reference_name]["weights"]
+    for result in results if isinstance(results, list) else [results]:
+        assert max_diff(result[option]["weights"], reference) <= tolerance
+    # The option acts: its one-device result differs from plain SGD's (whose float32
+    # run equals mixed precision's to 1e-4).
+    if option != "mixed_precision":
+        assert max_diff(reference, options_one_device["mixed_precision"]["weights"]) > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["options_one_device", "options_two_devices",
+                                  "options_two_workers"])
+def test_a_gan_resumes_from_a_mid_epoch_backup_exactly(request, mode):
+    results = request.getfixturevalue(mode)
+    for result in results if isinstance(results, list) else [results]:
+        assert max_diff(result["resumed"]["weights"], result["uninterrupted"]["weights"]) \
+            <= TOLERANCE
+
+
+# -- what a strategy cannot run gets an error naming the step ---------------------------
+def test_gradient_aggregation_accumulation_names_the_unbuilt_gan_optimizer():
+    import keras_dist
+
+    with pytest.raises(ValueError, match=r"model\.d_optimizer.*gradient_accumulation_steps"):
+        corpus.train("gan_fixed_noise", None, evaluate=False, epochs=1, callbacks=[
+            keras_dist.callbacks.GradientAggregation(accumulation_steps=2)])
+
+
+def _numpy_in_step():
+    import keras
+    import keras_dist
+    import tensorflow as tf
+
+    class EagerHabits(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean((self(x) - y) ** 2)
+            print("loss", loss.numpy())
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": loss}
+
+    with keras_dist.strategy().scope():
+        inputs = keras.Input((4,))
+        model = EagerHabits(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd")
+    model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)
+
+
+def test_numpy_inside_a_step_is_an_error_naming_the_step():
+    from keras_dist.testing import WorkerError
+
+    with pytest.raises(WorkerError, match=r"EagerHabits\.train_step calls `\.numpy\(\)`"):
+        run_in_subprocess(_numpy_in_step, virtual_devices=2, timeout=300)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import keras
 
 from keras_dist import aggregation
+from keras_dist.checkpointing.step_state import step_optimizers
 
 
 def optimizer_of(model, caller):
@@ -27,21 +28,47 @@ def optimizer_of(model, caller):
     return model.optimizer
 
 
-def install_aggregation(model, config, caller):
-    """Installs `config` on the model's optimizer; re-makes a stale train function.
+def _install_one(model, optimizer, name, config, caller):
+    if not optimizer.built:
+        if name == "optimizer" and model.trainable_variables:
+            # Under the default strategy fit defers this to tracing; the accumulators
+            # need the variables now.
+            with model.distribute_strategy.scope():
+                optimizer.build(model.trainable_variables)
+        elif config.accumulation_steps > 1:
+            raise ValueError(
+                f"{caller}(accumulation_steps={config.accumulation_steps}) sizes its "
+                f"accumulators from the variables `model.{name}` updates, and that "
+                "optimizer is not built yet (a custom train_step builds it on its first "
+                f"step). Build it before fit, e.g. `model.{name}.build(<the variables it "
+                f"updates>.trainable_variables)`, or use the optimizer's own "
+                f"gradient_accumulation_steps={config.accumulation_steps} instead, which "
+                "keras_dist makes exact for custom train_steps too.")
+    return aggregation.install(optimizer, config, strategy=model.distribute_strategy)
 
+
+def install_aggregations(model, config, caller) -> dict:
+    """Installs `config` on every optimizer the model trains with; {attribute: aggregator}.
+
+    `model.optimizer`, and for a model with its own step (a GAN's `d_optimizer` and
+    `g_optimizer`) each optimizer it keeps as an attribute too (an unused default from
+    a bare `compile()` gets a hook that never runs).
     `fit` makes (but does not yet trace) the train function before `on_train_begin`;
     a function traced by an earlier `fit` would keep the old aggregation, so it is
-    rebuilt whenever the installation changes.
+    rebuilt whenever an installation changes.
     """
-    optimizer = optimizer_of(model, caller)
-    if not optimizer.built and model.trainable_variables:
-        # Under the default strategy fit defers this to tracing; the accumulators
-        # need the variables now.
-        with model.distribute_strategy.scope():
-            optimizer.build(model.trainable_variables)
-    before = aggregation.get_aggregator(optimizer)
-    installed = aggregation.install(optimizer, config, strategy=model.distribute_strategy)
-    if installed is not before:
+    optimizers = {"optimizer": optimizer_of(model, caller), **step_optimizers(model)}
+    installed, changed = {}, False
+    for name, optimizer in optimizers.items():
+        before = aggregation.get_aggregator(optimizer)
+        installed[name] = _install_one(model, optimizer, name, config, caller)
+        changed = changed or installed[name] is not before
+    if changed:
         model.make_train_function(force=True)
     return installed
+
+
+def install_aggregation(model, config, caller):
+    """`install_aggregations` for callers that read one aggregator: `model.optimizer`'s,
+    or the first of a custom step's optimizers."""
+    return next(iter(install_aggregations(model, config, caller).values()))

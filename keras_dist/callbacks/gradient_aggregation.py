@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from keras_dist import aggregation
 from keras_dist.callbacks.base import Callback
-from keras_dist.callbacks._optimizer import install_aggregation
+from keras_dist.callbacks._optimizer import install_aggregations
 
 __all__ = ["GradientAggregation"]
 
@@ -21,7 +21,10 @@ class GradientAggregation(Callback):
     gradient norm; or under a `tf.distribute` strategy keras_dist did not build, where
     Keras clips each replica's local gradient before the all-reduce. Gradients are never
     clipped twice: with this callback, the optimizer's own clipping acts once, on the
-    aggregated gradient, and setting both it and `clipnorm` here is an error. See
+    aggregated gradient, and setting both it and `clipnorm` here is an error. A model
+    with its own `train_step` and several optimizers (a GAN's `d_optimizer` and
+    `g_optimizer`) gets the pipeline on each: each optimizer's own aggregated gradient
+    is clipped by its own norm. See
     `keras_dist.aggregation` for the pipeline
     (accumulate -> compress -> all-reduce -> decompress -> norm -> clip).
 
@@ -63,6 +66,9 @@ class GradientAggregation(Callback):
             timeout_seconds=timeout_seconds, implementation=implementation,
         )
         self.aggregator = None
+        self.aggregators = {}
 
     def on_train_begin(self, logs=None):
-        self.aggregator = install_aggregation(self.model, self.config, "GradientAggregation")
+        self.aggregators = install_aggregations(self.model, self.config,
+                                                "GradientAggregation")
+        self.aggregator = next(iter(self.aggregators.values()))

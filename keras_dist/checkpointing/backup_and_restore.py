@@ -15,7 +15,7 @@ import numpy as np
 
 from keras_dist import _validation
 from keras_dist.callbacks.base import Callback
-from keras_dist.checkpointing import files, preemption
+from keras_dist.checkpointing import files, preemption, step_state
 from keras_dist.checkpointing.files import BackupError
 from keras_dist.checkpointing.preemption import PREEMPTION_EXIT_CODE
 from keras_dist.checkpointing.step_skipper import StepSkipper
@@ -206,17 +206,13 @@ class BackupAndRestore(Callback):
     # -- helpers --------------------------------------------------------------------
     def _restore(self, backup):
         optimizer = self.model.optimizer
-        if optimizer is not None and not optimizer.built:
+        deferred = step_state.unbuilt_step_optimizers(self.model)
+        if optimizer is not None and not optimizer.built and not step_state.step_optimizers(
+                self.model):
             with self.model.distribute_strategy.scope():
                 optimizer.build(self.model.trainable_variables)
-        try:
-            self.model.load_weights(backup.weights_path)
-        except (ValueError, KeyError, OSError) as error:
-            raise BackupError(
-                f"The backup {backup.weights_path!r} does not fit this model or optimizer "
-                f"({error}). A backup directory belongs to one training run: delete it, "
-                "or use another `backup_dir`, to start from scratch."
-            ) from error
+        if not deferred:
+            self._load(backup.weights_path)
         epoch, step = backup.epoch, backup.step
         steps = self.params.get("steps") if self.params else None
         if steps and step >= steps:
@@ -226,6 +222,9 @@ class BackupAndRestore(Callback):
         self._resume_epoch, self._resume_step = epoch, step
         if step:
             self._skipper = StepSkipper.install(self.model, step)
+        if deferred:
+            # A custom train_step builds these on its first step: load once they exist.
+            _LoadOnFirstStep.install(self.model, lambda: self._load(backup.weights_path))
         if is_chief():
             print(f"BackupAndRestore: resuming at epoch {epoch} (0-based), {step} batch(es) "
                   f"into it, from {backup.weights_path}", flush=True)
@@ -287,7 +286,38 @@ class BackupAndRestore(Callback):
                 shutil.rmtree(directory, ignore_errors=True)
 
     def _save_weights(self, path):
+        step_state.mark_built(self.model)
         self.model.save_weights(path, overwrite=True)
+
+    def _load(self, path):
+        step_state.mark_built(self.model)
+        try:
+            self.model.load_weights(path)
+        except (ValueError, KeyError, OSError) as error:
+            raise BackupError(
+                f"The backup {path!r} does not fit this model or optimizer "
+                f"({error}). A backup directory belongs to one training run: delete it, "
+                "or use another `backup_dir`, to start from scratch."
+            ) from error
+
+
+class _LoadOnFirstStep:
+    """Wraps `model.train_function`: on the first call, builds what the model's own
+    `train_step` creates (tracing it, training nothing), loads the backup, then steps."""
+
+    def __init__(self, model, function, load):
+        self.model, self.function, self.load = model, function, load
+
+    @classmethod
+    def install(cls, model, load):
+        model.train_function = cls(model, model.train_function, load)
+
+    def __call__(self, iterator):
+        step_state.build_step_state(self.model, iterator)
+        self.load()
+        if self.model.train_function is self:
+            self.model.train_function = self.function
+        return self.function(iterator)
 
 
 def _check_backup_dir(backup_dir) -> str:

@@ -64,14 +64,18 @@ def _built_by_keras_dist(strategy) -> bool:
     return any(entry.strategy is strategy for entry in _runtime.created())
 
 
-def _distributed_here(optimizer) -> bool:
-    """In a replica context of a multi-replica keras_dist strategy, not hooked by us."""
+def _distributed_here(optimizer, *, one_replica_too: bool = False) -> bool:
+    """In a replica context of a multi-replica keras_dist strategy, not hooked by us.
+
+    `one_replica_too`: also with one replica (a one-device MirroredStrategy still takes
+    its updates through `merge_call`, which cannot sit inside Keras' `ops.cond`).
+    """
     import tensorflow as tf
 
     if "_keras_dist_aggregator" in optimizer.__dict__:
         return False  # GradientAggregation reduces (and clips) itself
     context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
+    if context is None or (context.num_replicas_in_sync == 1 and not one_replica_too):
         return False
     return _built_by_keras_dist(context.strategy)
 
@@ -194,7 +198,8 @@ def _apply_conds_fix() -> None:
 
     @functools.wraps(upstream_apply)
     def _backend_apply_gradients(self, grads, trainable_variables):
-        if not _needs_cross_replica_conds(self) or not _distributed_here(self):
+        if not _needs_cross_replica_conds(self) or not _distributed_here(
+                self, one_replica_too=True):
             return upstream_apply(self, grads, trainable_variables)
         grads, trainable_variables = list(grads), list(trainable_variables)
         if self.gradient_accumulation_steps:

@@ -46,14 +46,39 @@ def _loss_module():
     return loss
 
 
+_GRAPH_MARK = "_keras_dist_fit_step"
+
+
+def _graphs():
+    """The graph being built and the graphs it is nested in (cond/while branches)."""
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        yield graph
+        graph = getattr(graph, "outer_graph", None)
+
+
 def in_step() -> bool:
-    """Whether this thread is tracing a Keras step function on a replica."""
-    return getattr(_state, "depth", 0) > 0
+    """Whether this code runs inside a step function of `fit`/`evaluate`.
+
+    The step's graph is marked, so code that TensorFlow runs in other threads of the
+    same graph (a `merge_call`'s `call_for_each_replica`, e.g. a LossScaleOptimizer
+    applying its inner optimizer) sees it too; eagerly (`run_eagerly=True`) a
+    thread-local counter says it.
+    """
+    if getattr(_state, "depth", 0) > 0:
+        return True
+    return any(getattr(graph, _GRAPH_MARK, False) for graph in _graphs())
 
 
 @contextlib.contextmanager
 def _step():
+    import tensorflow as tf
+
     _state.depth = getattr(_state, "depth", 0) + 1
+    if not tf.executing_eagerly():
+        setattr(tf.compat.v1.get_default_graph(), _GRAPH_MARK, True)
     try:
         yield
     finally:
@@ -86,11 +111,45 @@ def _run_steps_per_replica_mean(trainer) -> None:
         @functools.wraps(step_function)
         def step_with_local_mean_losses(data):
             with _step():
-                return step_function(data)
+                try:
+                    return step_function(data)
+                except (AttributeError, ValueError, TypeError) as error:
+                    clearer = _explained(self, step_function, error)
+                    if clearer is None:
+                        raise
+                    raise clearer from error
 
         return original(self, step_with_local_mean_losses)
 
     _patch.patch(trainer, "_make_function", _make_function, fix=NAME)
+
+
+# What a step written for eager code does that a traced, per-replica step cannot.
+_EXPLAINED = (
+    (AttributeError, ("numpy",),
+     "calls `.numpy()` (or another eager-only method) on a tensor. Under a strategy the "
+     "step is traced once by tf.function and runs on every replica, so its tensors are "
+     "symbolic: compute with keras.ops / tf ops and return tensors (fit logs them); "
+     "print with tf.print; to debug on one device, compile(run_eagerly=True)"),
+    (ValueError, ("tf.Variable", "first call"),
+     "creates a variable on every call. Variables must be created once: in `__init__` "
+     "or `build()` (or `add_weight`), not inside the step"),
+    (TypeError, ("symbolic", "numpy"),
+     "converts a tensor to a NumPy value (np.array, float(), a Python `if` on a tensor). "
+     "Under a strategy the step is traced by tf.function and runs per replica: use "
+     "keras.ops / tf ops (tf.cond for branches)"),
+)
+
+
+def _explained(model, step_function, error):
+    """A clearer error naming the step, for the mistakes `_EXPLAINED` lists."""
+    text = str(error)
+    for kind, words, advice in _EXPLAINED:
+        if isinstance(error, kind) and all(word in text for word in words):
+            step = getattr(step_function, "__name__", "the step")
+            return type(error)(f"{type(model).__name__}.{step} {advice}. (Original error: "
+                               f"{type(error).__name__}: {text.splitlines()[0]})")
+    return None
 
 
 def _unscaled_in_steps(owner, name: str, rescale=None) -> None:
