@@ -331,3 +331,33 @@ def test_numpy_inside_a_step_is_an_error_naming_the_step():
 
     with pytest.raises(WorkerError, match=r"EagerHabits\.train_step calls `\.numpy\(\)`"):
         run_in_subprocess(_numpy_in_step, virtual_devices=2, timeout=300)
+
+
+# -- the closing-note table (KERAS_DIST_CUSTOM_STEPS_TABLE=path) ----------------
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("os").environ.get("KERAS_DIST_CUSTOM_STEPS_TABLE"),
+                    reason="writes the corpus table only when asked")
+def test_write_the_corpus_table(one_device, two_devices, two_workers):
+    import os
+
+    rows = ["| model | mode | max weight diff vs one device | first reported loss vs one "
+            "device (rel.) | workers identical |", "|---|---|---|---|---|"]
+    for name in corpus.ALL:
+        reference = one_device["one_device"][name]
+        key = sorted(reference["history"])[0]
+        plain = one_device["plain"][name]
+        rows.append(f"| {name} | one device vs plain Keras | "
+                    f"{max_diff(reference['weights'], plain['weights']):.1e} | "
+                    f"{abs(reference['history'][key][0] / plain['history'][key][0] - 1):.1e}"
+                    f" ({key}) | - |")
+        for mode, result, identical in (
+                ("2 virtual devices", two_devices[name], "-"),
+                ("2 workers", two_workers[0][name],
+                 "yes" if max_diff(two_workers[0][name]["weights"],
+                                   two_workers[1][name]["weights"]) == 0 else "NO")):
+            ratio = result["history"][key][0] / reference["history"][key][0]
+            rows.append(f"| {name} | {mode} | "
+                        f"{max_diff(result['weights'], reference['weights']):.1e} | "
+                        f"{abs(ratio - 1):.1e} ({key}) | {identical} |")
+    with open(os.environ["KERAS_DIST_CUSTOM_STEPS_TABLE"], "w") as file:
+        file.write("\n".join(rows) + "\n")
