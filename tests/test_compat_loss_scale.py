@@ -40,7 +40,10 @@ def _model(strategy, accumulation_steps=1, mixed=False):
     with strategy.scope():
         inputs = keras.Input((9,))
         features, marker = inputs[:, :8], inputs[:, 8]
-        hidden = keras.layers.Dense(4, kernel_initializer="ones")(features)
+        # Mixed precision: small weights, so that at Keras' default scale (2**15) only the
+        # poisoned replica overflows (each replica's loss is its own mean, as on one device).
+        hidden = keras.layers.Dense(4, kernel_initializer=keras.initializers.Constant(
+            0.1 if mixed else 1.0))(features)
         outputs = _poison_layer()(hidden, marker)
         model = keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(outputs))
         optimizer = keras.optimizers.SGD(0.1)

@@ -168,6 +168,18 @@ def _unscaled_in_steps(owner, name: str, rescale=None) -> None:
     _patch.patch(owner, name, function, fix=NAME)
 
 
+def _scaled(gradient, factor):
+    """`gradient * factor` for a dense gradient, an `IndexedSlices` one, or None."""
+    import tensorflow as tf
+
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * tf.cast(factor, gradient.values.dtype),
+                                gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)
+
+
 def _gradients_divided_in_steps(optimizer_class) -> None:
     original = _patch.original(optimizer_class, "apply")
 
@@ -175,7 +187,7 @@ def _gradients_divided_in_steps(optimizer_class) -> None:
     def apply(self, grads, trainable_variables=None):
         replicas = _replicas() if in_step() else 1
         if replicas > 1:
-            grads = [g if g is None else g * (1.0 / replicas) for g in grads]
+            grads = [_scaled(g, 1.0 / replicas) for g in grads]
         return original(self, grads, trainable_variables)
 
     _patch.patch(optimizer_class, "apply", apply, fix=NAME)
