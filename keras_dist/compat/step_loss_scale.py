@@ -23,6 +23,10 @@ each replica one-device semantics instead:
 
 Outside those step functions -- custom training loops that call `strategy.run`
 themselves, following TensorFlow's convention -- Keras' own scaling stays.
+
+The same wrapper turns what a traced, per-replica step cannot do (`.numpy()` on a
+tensor, a bare `tf.Variable` created in the step) into errors that name the step and
+say what to write instead.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ def _run_steps_per_replica_mean(trainer) -> None:
     def _make_function(self, step_function):
         @functools.wraps(step_function)
         def step_with_local_mean_losses(data):
-            with _step():
+            with _step(), _no_raw_variables(self, step_function):
                 try:
                     return step_function(data)
                 except (AttributeError, ValueError, TypeError) as error:
@@ -139,6 +143,41 @@ _EXPLAINED = (
      "Under a strategy the step is traced by tf.function and runs per replica: use "
      "keras.ops / tf ops (tf.cond for branches)"),
 )
+
+
+def _created_by_keras() -> bool:
+    """Whether the variable being created comes from Keras (a layer, an optimizer, a
+    metric builds lazily on the first step: fine) rather than a bare `tf.Variable`."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/tensorflow/" not in path and path != __file__:
+            # The nearest caller outside TensorFlow decides.
+            return any(part in path for part in ("/keras/", "/keras_hub/", "/keras_dist/"))
+        frame = frame.f_back
+    return True
+
+
+@contextlib.contextmanager
+def _no_raw_variables(model, step_function):
+    """Inside a fit step, a bare `tf.Variable(...)` is an error naming the step."""
+    import tensorflow as tf
+
+    def creator(next_creator, **kwargs):
+        if not _created_by_keras():
+            step = getattr(step_function, "__name__", "the step")
+            raise ValueError(
+                f"{type(model).__name__}.{step} creates a variable "
+                f"({kwargs.get('name') or 'tf.Variable'}) inside the step. The step is "
+                "traced by tf.function and runs on every replica: create variables once, "
+                "in `__init__` or `build()` (self.add_weight / keras.Variable), and only "
+                "assign to them in the step.")
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        yield
 
 
 def _explained(model, step_function, error):
