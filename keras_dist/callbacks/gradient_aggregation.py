@@ -40,10 +40,18 @@ class GradientAggregation(Callback):
         timeout_seconds: Fail an all-reduce that takes longer than this (None: wait).
         implementation: `"auto"`, `"ring"` or `"nccl"` collectives.
 
+    Attributes:
+        aggregator: The `GradientAggregator` of `model.optimizer` (set at `fit`).
+        aggregators: `{attribute: GradientAggregator}` of every optimizer the model
+            keeps (`{"optimizer": ...}`, plus `d_optimizer`, `g_optimizer`, ... for a
+            model with its own `train_step`).
+
     Raises:
         ValueError: An argument is invalid (here), or the optimizer has conflicting
-            settings (at `fit`): Keras clipping together with `clipnorm`, or the
-            optimizer's `gradient_accumulation_steps` (accumulate in one place only).
+            settings (at `fit`): Keras clipping together with `clipnorm`, the
+            optimizer's `gradient_accumulation_steps` (accumulate in one place only), or
+            `accumulation_steps > 1` for an optimizer a custom `train_step` has not
+            built yet.
 
     Example:
         >>> import keras, keras_dist, numpy as np
