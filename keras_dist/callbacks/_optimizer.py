@@ -40,14 +40,13 @@ def _install_one(model, optimizer, name, config, caller):
                 f"{caller}(accumulation_steps={config.accumulation_steps}) sizes its "
                 f"accumulators from the variables `model.{name}` updates, and that "
                 "optimizer is not built yet (a custom train_step builds it on its first "
-                f"step). Build it before fit, e.g. `model.{name}.build(<the variables it "
-                f"updates>.trainable_variables)`, or use the optimizer's own "
-                f"gradient_accumulation_steps={config.accumulation_steps} instead, which "
-                "keras_dist makes exact for custom train_steps too.")
+                f"step), so it cannot be installed here. Let `fit` install it (the "
+                "GradientAggregation callback builds such optimizers on the first step), "
+                f"or build it first: `model.{name}.build(<the variables it updates>)`.")
     return aggregation.install(optimizer, config, strategy=model.distribute_strategy)
 
 
-def install_aggregations(model, config, caller) -> dict:
+def install_aggregations(model, config, caller, *, remake: bool = True) -> dict:
     """Installs `config` on every optimizer the model trains with; {attribute: aggregator}.
 
     `model.optimizer`, and for a model with its own step (a GAN's `d_optimizer` and
@@ -55,7 +54,8 @@ def install_aggregations(model, config, caller) -> dict:
     a bare `compile()` gets a hook that never runs).
     `fit` makes (but does not yet trace) the train function before `on_train_begin`;
     a function traced by an earlier `fit` would keep the old aggregation, so it is
-    rebuilt whenever an installation changes.
+    rebuilt whenever an installation changes (`remake=False`: the caller knows the
+    function was not traced yet).
     """
     optimizers = {"optimizer": optimizer_of(model, caller), **step_optimizers(model)}
     installed, changed = {}, False
@@ -63,7 +63,7 @@ def install_aggregations(model, config, caller) -> dict:
         before = aggregation.get_aggregator(optimizer)
         installed[name] = _install_one(model, optimizer, name, config, caller)
         changed = changed or installed[name] is not before
-    if changed:
+    if changed and remake:
         model.make_train_function(force=True)
     return installed
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from keras_dist import aggregation
 from keras_dist.callbacks.base import Callback
 from keras_dist.callbacks._optimizer import install_aggregations
+from keras_dist.checkpointing import step_state
 
 __all__ = ["GradientAggregation"]
 
@@ -24,7 +25,8 @@ class GradientAggregation(Callback):
     aggregated gradient, and setting both it and `clipnorm` here is an error. A model
     with its own `train_step` and several optimizers (a GAN's `d_optimizer` and
     `g_optimizer`) gets the pipeline on each: each optimizer's own aggregated gradient
-    is clipped by its own norm. See
+    is clipped by its own norm (optimizers the step builds lazily are built on the
+    first step, so their accumulators exist). See
     `keras_dist.aggregation` for the pipeline
     (accumulate -> compress -> all-reduce -> decompress -> norm -> clip).
 
@@ -49,9 +51,7 @@ class GradientAggregation(Callback):
     Raises:
         ValueError: An argument is invalid (here), or the optimizer has conflicting
             settings (at `fit`): Keras clipping together with `clipnorm`, the
-            optimizer's `gradient_accumulation_steps` (accumulate in one place only), or
-            `accumulation_steps > 1` for an optimizer a custom `train_step` has not
-            built yet.
+            optimizer's `gradient_accumulation_steps` (accumulate in one place only).
 
     Example:
         >>> import keras, keras_dist, numpy as np
@@ -77,6 +77,38 @@ class GradientAggregation(Callback):
         self.aggregators = {}
 
     def on_train_begin(self, logs=None):
+        if self.config.accumulation_steps > 1 and step_state.unbuilt_step_optimizers(
+                self.model):
+            # Accumulators are sized from each optimizer's variables, which a custom
+            # train_step creates on its first step: build them then, and install.
+            _InstallOnFirstStep.install(self)
+            return
+        self._install(remake=True)
+
+    def _install(self, remake):
         self.aggregators = install_aggregations(self.model, self.config,
-                                                "GradientAggregation")
+                                                "GradientAggregation", remake=remake)
         self.aggregator = next(iter(self.aggregators.values()))
+
+
+class _InstallOnFirstStep:
+    """Wraps `model.train_function`: on the first call, builds the optimizers the model's
+    own `train_step` builds (tracing it, training nothing), then installs the
+    aggregation on them before the real step function is first traced."""
+
+    def __init__(self, callback, function):
+        self.callback, self.function = callback, function
+
+    @classmethod
+    def install(cls, callback):
+        model = callback.model
+        model.train_function = cls(callback, model.train_function)
+
+    def __call__(self, iterator):
+        model = self.callback.model
+        step_state.build_step_state(model, iterator)
+        if model.train_function is self:
+            model.train_function = self.function
+        # Not traced yet (Keras traces on the first call): no need to remake it.
+        self.callback._install(remake=False)
+        return self.function(iterator)

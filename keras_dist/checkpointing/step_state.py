@@ -62,6 +62,9 @@ def build_step_state(model, iterator) -> None:
 
     strategy = model.distribute_strategy
     unbuilt = [step_optimizers(model)[name] for name in unbuilt_step_optimizers(model)]
+    if not unbuilt:
+        mark_built(model)
+        return
     seen: dict[int, list] = {}
 
     def recorder(optimizer):
