@@ -1,7 +1,8 @@
 """`BackupAndRestore`: resume a killed, crashed or preempted run where it stopped.
 
 The on-disk format is `checkpointing.files`, the SIGTERM agreement
-`checkpointing.preemption`, the mid-epoch skip `checkpointing.step_skipper`.
+`checkpointing.preemption`, the mid-epoch skip `checkpointing.step_skipper`, resuming on
+another worker count `checkpointing.elastic`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import numpy as np
 
 from keras_dist import _validation
 from keras_dist.callbacks.base import Callback
-from keras_dist.checkpointing import files, preemption, step_state
+from keras_dist.checkpointing import elastic, files, preemption, step_state
 from keras_dist.checkpointing.files import BackupError
 from keras_dist.checkpointing.preemption import PREEMPTION_EXIT_CODE
 from keras_dist.checkpointing.step_skipper import StepSkipper
 from keras_dist.cluster import is_chief, num_workers, worker_index
+from keras_dist.data import order
 
 __all__ = ["BackupAndRestore"]
 
@@ -63,15 +65,23 @@ class BackupAndRestore(Callback):
     failed group with SIGTERM too, which they then honour the same way.
 
     What is restored: model weights, optimizer variables (incl. `iterations`), epoch,
-    batch within the epoch. Not restored: the position of a stream that is not read
-    from its start each epoch (with `steps_per_epoch` over a repeated dataset the
-    resumed run restarts the stream), the order of a shuffle that differs per epoch
-    (the resumed epoch sees a different order than the lost one would have), Python or
-    NumPy random state, metric values of the interrupted epoch (its metrics cover only
-    the batches trained after resuming), other callbacks' state (e.g. EarlyStopping's
-    best value). Skipped batches reach other callbacks' `on_train_batch_end` with empty
-    logs. Use deterministic input (or accept a different order) for bit-for-bit
-    resumption.
+    batch within the epoch. With `keras_dist.distribute_dataset` over arrays (or another
+    index-able source) the data order is global (`keras_dist/data/order.py`: epoch e's
+    order depends on `seed` and e only), so the resumed run reads exactly the global
+    batches the lost one would have, also with `shuffle=True`, `repeat=True` and on
+    another number of workers or replicas (the backup records both counts and the
+    global batch; `checkpointing/elastic.py` says what resumes exactly and what is
+    refused). Not restored: Python or NumPy random state, metric values of the
+    interrupted epoch (its metrics cover only the batches trained after resuming),
+    other callbacks' state (e.g. EarlyStopping's best value). Skipped batches reach
+    other callbacks' `on_train_batch_end` with empty logs.
+
+    Elastic: a backup written by N workers resumes on M. The global batch must stay
+    the same (compute the per-replica batch with `keras_dist.per_replica_batch_size`);
+    a different one is refused with `BackupError`. An input whose order depends on the
+    worker count (TFRecord files, a `tf.data.Dataset`, a dataset function,
+    `cache=True`) resumes on another count only from an epoch-end backup, with a
+    warning; a mid-epoch backup of such an input is refused on another count.
 
     Args:
         backup_dir: Directory for the backup, shared by all workers. Use a directory
@@ -91,6 +101,9 @@ class BackupAndRestore(Callback):
     Raises:
         TypeError: `backup_dir` is not a path.
         ValueError: An argument is invalid (the message says which and why).
+        BackupError: (from `fit`) the backup is damaged, belongs to another model, was
+            written with another global batch, or cannot resume exactly on this worker
+            count (the message names the folder, what differs and what to do).
 
     Example:
         >>> backup = keras_dist.callbacks.BackupAndRestore("/shared/run1/backup")
@@ -205,6 +218,9 @@ class BackupAndRestore(Callback):
 
     # -- helpers --------------------------------------------------------------------
     def _restore(self, backup):
+        note, warning = elastic.check_resume(
+            backup, self.backup_dir, order.fit_input(self.model), num_workers(),
+            int(self.model.distribute_strategy.num_replicas_in_sync))
         optimizer = self.model.optimizer
         deferred = step_state.unbuilt_step_optimizers(self.model)
         if optimizer is not None and not optimizer.built and not step_state.step_optimizers(
@@ -228,11 +244,10 @@ class BackupAndRestore(Callback):
         if is_chief():
             print(f"BackupAndRestore: resuming at epoch {epoch} (0-based), {step} batch(es) "
                   f"into it, from {backup.weights_path}", flush=True)
-        if backup.num_workers != num_workers() and step:
-            print(f"BackupAndRestore: warning: the backup was made with "
-                  f"{backup.num_workers} worker(s), this run has {num_workers()}; the "
-                  f"{step} skipped batches were counted with the old global batch size.",
-                  file=sys.stderr, flush=True)
+            if note:
+                print(note, flush=True)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
 
     def _stop_requested(self) -> bool:
         if not self.handle_sigterm:
@@ -273,8 +288,11 @@ class BackupAndRestore(Callback):
 
     def _save(self, epoch, step):
         if is_chief():
+            input_order = order.fit_input(self.model)
             files.write_backup(
-                self.backup_dir, self._save_weights, epoch, step, num_workers()
+                self.backup_dir, self._save_weights, epoch, step, num_workers(),
+                num_replicas=int(self.model.distribute_strategy.num_replicas_in_sync),
+                input_order=input_order.to_json() if input_order else None,
             )
         else:
             # A fresh directory per save, removed at once: even a crash of this worker

@@ -44,6 +44,10 @@ class Backup:
     seq: int
     weights_path: str
     num_workers: int
+    # Newer backups also record the replica count and the input's order (`InputOrder`
+    # as JSON), so a resume on another worker count can check it can be exact.
+    num_replicas: int | None = None
+    input_order: dict | None = None
 
 
 def sha256_of(path: str) -> str:
@@ -96,6 +100,11 @@ def read_backup(directory: str, verify: bool = True) -> Backup | None:
         weights_name = str(metadata["weights"])
         sha256 = str(metadata["sha256"])
         num_workers = int(metadata.get("num_workers", 1))
+        num_replicas = metadata.get("num_replicas")
+        num_replicas = None if num_replicas is None else int(num_replicas)
+        input_order = metadata.get("input")
+        if input_order is not None and not isinstance(input_order, dict):
+            raise ValueError(f"input={input_order!r}")
         if epoch < 0 or step < 0 or not _WEIGHTS_RE.match(weights_name):
             raise ValueError(f"epoch={epoch}, step={step}, weights={weights_name!r}")
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -117,7 +126,7 @@ def read_backup(directory: str, verify: bool = True) -> Backup | None:
             f"{metadata_path!r}: the file was changed or damaged after it was saved. "
             "Delete the backup directory to start training from scratch."
         )
-    return Backup(epoch, step, seq, weights_path, num_workers)
+    return Backup(epoch, step, seq, weights_path, num_workers, num_replicas, input_order)
 
 
 def write_backup(
@@ -126,6 +135,9 @@ def write_backup(
     epoch: int,
     step: int,
     num_workers: int,
+    *,
+    num_replicas: int | None = None,
+    input_order: dict | None = None,
 ) -> Backup:
     """Saves a new backup atomically (see the module docstring) and returns it."""
     os.makedirs(directory, exist_ok=True)
@@ -151,6 +163,8 @@ def write_backup(
             "sha256": sha256,
             "bytes": os.path.getsize(weights_path),
             "num_workers": num_workers,
+            "num_replicas": num_replicas,
+            "input": input_order,
             "files": [weights_name, METADATA_NAME],
             "saved_at": time.time(),
         }
@@ -165,7 +179,7 @@ def write_backup(
         if os.path.exists(temporary):
             os.remove(temporary)
     _remove_stale(directory, keep=weights_name)
-    return Backup(epoch, step, seq, weights_path, num_workers)
+    return Backup(epoch, step, seq, weights_path, num_workers, num_replicas, input_order)
 
 
 def delete_backup(directory: str) -> None:

@@ -30,7 +30,7 @@ import threading
 import warnings
 
 from keras_dist.compat import (
-    _patch, _probe, build_without_call, loss_scale, optimizer_options, reduce_per_replica,
+    _patch, _probe, build_without_call, input_epoch, loss_scale, optimizer_options, reduce_per_replica,
     registry, step_loss_scale, symbolic_build, writers,
 )
 from keras_dist.compat._fix import Fix
@@ -46,7 +46,7 @@ __all__ = [
 FIXES: tuple[Fix, ...] = (
     symbolic_build.FIX, build_without_call.FIX, reduce_per_replica.FIX,
     step_loss_scale.FIX, loss_scale.FIX, optimizer_options.CLIP_FIX,
-    optimizer_options.CONDS_FIX, writers.FIX,
+    optimizer_options.CONDS_FIX, writers.FIX, input_epoch.FIX,
 )
 
 _lock = threading.Lock()
@@ -117,8 +117,12 @@ def applied() -> dict[str, bool]:
     return dict(_applied)
 
 
-def revert() -> list[str]:
-    """Undoes every fix (for tests); the next `apply()` probes and applies again."""
+def revert(name: str | None = None) -> list[str]:
+    """Undoes every fix, or the one named (for tests); the next `apply()` probes and
+    applies again."""
     with _lock:
-        _applied.clear()
-        return _patch.revert()
+        if name is None:
+            _applied.clear()
+        else:
+            _applied.pop(name, None)
+        return _patch.revert(name)

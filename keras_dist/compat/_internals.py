@@ -271,3 +271,18 @@ _STARTUP_INTERNALS = (
             "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2"),
             "CoordinatedJob")),
 )
+
+
+def _epoch_iterator():
+    """Keras' backend-independent `EpochIterator` (its epoch loop over the input)."""
+    try:
+        from keras.src.trainers import epoch_iterator
+    except ImportError:
+        return None
+    return getattr(epoch_iterator, "EpochIterator", None)
+
+
+def _tf_epoch_iterator():
+    """The TF trainer's `TFEpochIterator` (None off the TensorFlow backend)."""
+    module = _keras_tf.trainer_module()
+    return getattr(module, "TFEpochIterator", None) if module is not None else None

@@ -23,6 +23,8 @@ from keras_dist.compat._internals import (  # noqa: F401 (Internal: re-exported)
     _tf_data_classes,
     _base_trainer,
     _base_optimizer,
+    _epoch_iterator,
+    _tf_epoch_iterator,
     _keras_module,
     _LSO,
     _TRAINER,
@@ -191,6 +193,21 @@ INTERNALS: tuple[Internal, ...] = (
         "BackupAndRestore wraps it once to skip the batches already trained on.",
         ("checkpointing",), "`fit()` still calls `self.train_function(iterator)`",
         _code_mentions(_TRAINER, "fit", r"self\.train_function\(")),
+    Internal(
+        "keras.EpochIterator._enumerate_iterator",
+        "The input_epoch fix's probe reads it: the epoch loop starts each epoch of the "
+        "input (after the callbacks' on_epoch_begin) without telling it which.",
+        ("strategy",), "attribute lookup; it still calls `data_adapter.on_epoch_begin`",
+        _all(_attribute(_epoch_iterator, "_enumerate_iterator"),
+             _code_mentions(_epoch_iterator, "_enumerate_iterator",
+                            r"data_adapter\.on_epoch_begin\(")),
+    ),
+    Internal(
+        "keras.TFEpochIterator._distributed_dataset",
+        "The input_epoch fix notes the input a fit trains on (the epoch iterator made "
+        "before its callbacks start), so BackupAndRestore can check its order.",
+        ("strategy",), "`__init__` still sets it from the data adapter's dataset",
+        _code_mentions(_tf_epoch_iterator, "__init__", r"self\._distributed_dataset =")),
     Internal(
         "tf.__internal__.distribute.strategy_supports_no_merge_call",
         "Aggregation picks a replica-context cond or a merge_call like Keras does.",

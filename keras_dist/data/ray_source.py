@@ -36,6 +36,8 @@ def is_ray_data(source) -> bool:
 class RayDataSource(Source):
     """A `ray.data.DataIterator` (already this worker's shard) or a `ray.data.Dataset`."""
 
+    description = "a Ray Data shard"
+
     def __init__(self, source, feature_columns: Columns | None, label_columns: Columns | None):
         self.iterator = source.iterator() if _is_dataset(source) else source
         self.is_whole_dataset = _is_dataset(source)

@@ -12,7 +12,15 @@ DEFAULT_SHUFFLE_BUFFER = 10_000
 
 
 class Source:
-    """One kind of input. Subclasses define `shard_sizes` and `worker_dataset`."""
+    """One kind of input. Subclasses define `shard_sizes` and `worker_dataset`.
+
+    A source whose examples can be read by index sets `global_order = True` and defines
+    `epoch_dataset(epoch, num_workers, worker_index, worker_batch, seed)`: the worker's
+    examples of one epoch in the global order of `keras_dist/data/order.py`.
+    """
+
+    global_order = False
+    description = "a source"  # for messages: "arrays", "TFRecord files", ...
 
     def shard_sizes(self, num_workers: int, worker_batch: int) -> list[int] | None:
         """Each worker's shard size, or None when it is not known without reading."""

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from keras_dist.data.order import array_shard_indices, shard_sizes_by_element, worker_indices
 from keras_dist.data.source_base import Source
 
 # Arrays fit in memory by definition, so their shard is shuffled whole, up to
@@ -33,41 +34,45 @@ def derived_seed(seed: int, worker_index: int, stream: int) -> int:
     return int(state[0])
 
 
-def shard_sizes_by_element(num_examples: int, num_workers: int) -> list[int]:
-    """Sizes of `Dataset.shard(num_workers, w)` for every worker w."""
-    base, extra = divmod(num_examples, num_workers)
-    return [base + (1 if w < extra else 0) for w in range(num_workers)]
-
-
-def array_shard_indices(num_examples: int, num_workers: int, worker_index: int,
-                        worker_batch: int) -> np.ndarray:
-    """The example indices worker `worker_index` owns, in their original order.
-
-    Whole steps are dealt round-robin in blocks of one worker batch (step s of worker w
-    is examples `[s*G + w*b, s*G + (w+1)*b)`, G = b * num_workers), and the last partial
-    global batch is split as evenly as possible, in order. So all workers have the same
-    number of batches unless fewer examples than workers are left over, and a
-    multi-worker `predict` (which gathers step by step in worker order) returns the
-    predictions in the original order.
-    """
-    global_batch = worker_batch * num_workers
-    full_steps, remainder = divmod(num_examples, global_batch)
-    blocks = (np.arange(full_steps)[:, None] * global_batch + worker_index * worker_batch
-              + np.arange(worker_batch)).ravel()
-    tails = shard_sizes_by_element(remainder, num_workers)
-    start = full_steps * global_batch + sum(tails[:worker_index])
-    return np.concatenate([blocks, np.arange(start, start + tails[worker_index])]).astype(
-        np.int64)
-
-
 class ArraySource(Source):
-    """NumPy arrays (or a tuple/dict nest of them): sliced in NumPy before TensorFlow."""
+    """NumPy arrays (or a tuple/dict nest of them, or pandas columns): index-able.
+
+    In one global order (`keras_dist/data/order.py`) when shuffled without `cache`:
+    every epoch each worker gathers the examples of its part of each global batch.
+    Otherwise sliced in NumPy before TensorFlow, in blocks of one worker batch.
+    """
+
+    description = "arrays"
+
+    global_order = True
 
     def __init__(self, structure: Any, num_examples: int):
         self.structure = structure
         self.num_examples = num_examples
         total_bytes = sum(array.nbytes for _, array in _named_leaves(structure))
         self._bytes_per_example = total_bytes / max(1, num_examples)
+        self._tensors = None
+
+    def epoch_dataset(self, epoch, num_workers, worker_index, worker_batch, seed):
+        """This worker's unbatched examples of epoch `epoch` (a scalar int64 tensor)."""
+        import tensorflow as tf
+
+        if self._tensors is None:
+            # Converted once per process (zero-copy for aligned NumPy arrays on CPU).
+            self._tensors = tf.nest.map_structure(tf.convert_to_tensor, self.structure)
+        tensors = self._tensors
+        size = len(array_shard_indices(self.num_examples, num_workers, worker_index,
+                                       worker_batch))
+
+        def indices(epoch_value):
+            return worker_indices(self.num_examples, num_workers, worker_index,
+                                  worker_batch, int(epoch_value), seed)
+
+        index = tf.py_function(indices, [epoch], tf.int64)
+        index.set_shape([size])
+        return tf.data.Dataset.from_tensor_slices(index).map(
+            lambda i: tf.nest.map_structure(lambda tensor: tf.gather(tensor, i), tensors),
+            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
     def shard_sizes(self, num_workers, worker_batch):
         tails = shard_sizes_by_element(self.num_examples % (num_workers * worker_batch),
@@ -96,6 +101,8 @@ class ArraySource(Source):
 class DatasetSource(Source):
     """A `tf.data.Dataset` of unbatched elements: `.shard()` first, on every worker."""
 
+    description = "a tf.data.Dataset"
+
     def __init__(self, dataset):
         self.dataset = dataset
         cardinality = int(dataset.cardinality())
@@ -117,6 +124,8 @@ class DatasetSource(Source):
 
 class FileSource(Source):
     """TFRecord files: by file when there are at least as many files as workers."""
+
+    description = "TFRecord files"
 
     def __init__(self, paths: list[str]):
         self.paths = paths
@@ -144,6 +153,8 @@ class FileSource(Source):
 
 class FunctionSource(Source):
     """`fn(input_context) -> tf.data.Dataset` that reads this worker's shard itself."""
+
+    description = "a dataset function"
 
     def __init__(self, dataset_fn: Callable):
         self.dataset_fn = dataset_fn

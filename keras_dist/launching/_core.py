@@ -77,10 +77,12 @@ def run_function(caller: str, fn: Callable[..., Any], args: Sequence[Any],
         command = [sys.executable, "-m", "keras_dist.launching.worker", payload_path,
                    result_dir]
         result = run_group(command, num_workers, dataclasses.replace(options, env=env))
-        records = [_worker.read_result(result_dir, i) for i in range(num_workers)]
+        # After shrinking (`min_workers`) the last attempt ran fewer workers.
+        records = [_worker.read_result(result_dir, i, f"attempt-{result.restarts}-worker-")
+                   for i in range(result.num_workers)]
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    return _collect(records, result, num_workers, caller, options.timeout)
+    return _collect(records, result, result.num_workers, caller, options.timeout)
 
 
 def check_call(caller, fn, args, kwargs, virtual_devices) -> None:

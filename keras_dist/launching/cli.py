@@ -1,7 +1,7 @@
 """The `keras-dist` command line (also `python -m keras_dist`): a thin argparse layer.
 
-    keras-dist launch --workers N [--max-restarts R] [--timeout S] [--log-dir DIR [--tee]]
-                      [--verbose] script.py [script args]
+    keras-dist launch --workers N [--min-workers M] [--max-restarts R] [--timeout S]
+                      [--log-dir DIR [--tee]] [--verbose] script.py [script args]
     keras-dist launch --workers N -m package.module [module args]
     keras-dist info
     keras-dist doctor [--no-self-test]
@@ -131,6 +131,10 @@ def _add_launch_parser(commands) -> None:
                         metavar="N", help="number of workers (default: 2)")
     launch.add_argument("--max-restarts", type=_int_at_least(0), default=0, metavar="R",
                         help="restart the whole group up to R times after a failure")
+    launch.add_argument("--min-workers", type=_int_at_least(1), default=None, metavar="M",
+                        help="shrink instead of stopping: a worker slot that fails again "
+                        "before its restarted group came up is dropped, down to M workers "
+                        "(each shrink is one of the R restarts)")
     launch.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
                         help="stop all workers after S seconds (exit code 124)")
     launch.add_argument("--grace-period", type=_non_negative_float, default=10.0,
@@ -168,6 +172,9 @@ def _launch_command(args: argparse.Namespace, argv: list[str]) -> int:
 
     if args.tee and args.log_dir is None:
         args.parser.error("--tee needs --log-dir DIR")
+    if args.min_workers is not None and args.min_workers > args.workers:
+        args.parser.error(f"--min-workers ({args.min_workers}) must be at most --workers "
+                          f"({args.workers}): it is the smallest group to shrink to")
     if args.module:
         command = [sys.executable, "-m", args.script, *args.script_args]
     else:
@@ -182,6 +189,7 @@ def _launch_command(args: argparse.Namespace, argv: list[str]) -> int:
             command,
             args.workers,
             max_restarts=args.max_restarts,
+            min_workers=args.min_workers,
             timeout=args.timeout,
             prefix=not args.no_prefix,
             grace_period=args.grace_period,

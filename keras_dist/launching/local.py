@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from typing import IO, Mapping, Sequence
 
 from keras_dist import _validation
 from keras_dist.cluster import make_tf_config
 from keras_dist.launching import output as _output
+from keras_dist.launching.shrink import Group, check_min_workers
+from keras_dist.startup.group_up import UP_FILE_ENV
 from keras_dist.launching.processes import (
     POLL_INTERVAL,
     Worker,
@@ -54,6 +58,8 @@ class LaunchResult:
         message: One line saying what happened, e.g.
             `"keras-dist launch: worker 1 exited with code 3"`.
         timed_out: True when the group was stopped because `timeout` elapsed.
+        dropped_slots: The worker slots (indices of the first attempt) dropped to shrink
+            the group (`min_workers`), in the order they were dropped.
     """
 
     returncode: int
@@ -62,6 +68,12 @@ class LaunchResult:
     restarts: int
     message: str
     timed_out: bool = False
+    dropped_slots: tuple[int, ...] = ()
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers the last attempt ran (fewer than asked after shrinking)."""
+        return len(self.worker_returncodes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +90,7 @@ class Options:
     tee: bool = False
     verbose: bool | None = None
     set_tf_config: bool = True  # False runs lone processes (run_in_subprocess)
+    min_workers: int | None = None  # None: never shrink
 
 
 def free_ports(n: int) -> list[int]:
@@ -123,6 +136,7 @@ def launch(
     log_dir: str | os.PathLike | None = None,
     tee: bool = False,
     verbose: bool | None = None,
+    min_workers: int | None = None,
 ) -> LaunchResult:
     """Runs `num_workers` copies of `command` as one local multi-worker cluster.
 
@@ -139,31 +153,32 @@ def launch(
         command: The argv of one worker, e.g. `[sys.executable, "train.py", "--epochs", "3"]`.
         num_workers: Number of workers (>= 1).
         max_restarts: After a failure, restart the whole group (fresh ports) up to this
-            many times. Scripts resume from their backup checkpoint; `KERAS_DIST_RESTART`
-            tells them which attempt they are.
+            many times (`KERAS_DIST_RESTART` tells scripts the attempt).
+        min_workers: Shrink instead of stopping, down to this many workers (`None`:
+            never; `keras_dist/launching/shrink.py` has the rule). With a fixed global
+            batch and `keras_dist.callbacks.BackupAndRestore`, the run resumes exactly.
         env: Extra environment variables; a value of `None` removes the variable.
-        timeout: Seconds for the whole launch, restarts included; then every worker is
-            stopped and the return code is 124. `None` waits forever.
+        timeout: Seconds for the whole launch, restarts included (then all workers are
+            stopped, return code 124); `None` waits forever.
         stdout: Text stream for worker output and launcher messages. `None` writes to
-            whatever `sys.stdout` is at write time (so Jupyter and pytest capture work).
-            On a terminal the chief's progress bar is shown live.
+            whatever `sys.stdout` is at write time (Jupyter, pytest capture, a terminal
+            with the chief's live progress bar).
         prefix: Prefix each worker line with `[worker i] `.
-        grace_period: Seconds between SIGTERM and SIGKILL when stopping workers.
+        grace_period: Seconds from SIGTERM to SIGKILL when stopping workers.
         log_dir: Also write each worker's output to `log_dir/worker-<i>.log` (everything,
             start-up logs included) and the launcher's messages to
             `log_dir/launcher.log`; worker output then leaves `stdout` unless `tee`.
         tee: With `log_dir`, also write worker output to `stdout`.
-        verbose: Keep TensorFlow's start-up logs and Keras' shuffle warning. `None`:
-            True when the environment variable `KERAS_DIST_TF_LOGS=1`.
+        verbose: Keep TensorFlow's start-up logs and Keras' shuffle warning (`None`:
+            `KERAS_DIST_TF_LOGS=1`).
 
     Returns:
         A `LaunchResult`; `result.returncode` is 0 when all workers succeeded.
 
     Raises:
         ValueError: An argument is invalid.
-        OSError: A worker could not be started (e.g. the executable does not exist);
-            workers already started are stopped first.
-        KeyboardInterrupt: The launcher was interrupted; all workers are stopped first.
+        OSError: A worker could not be started (the others are stopped first).
+        KeyboardInterrupt: Interrupted (all workers are stopped first).
 
     Example:
         >>> result = launch([sys.executable, "-c", "print('hi')"], num_workers=2)
@@ -185,7 +200,7 @@ def launch(
         raise ValueError(_validation.message("tee", "False without `log_dir`", tee,
                                              "Pass log_dir=... to write log files"))
     options = Options(max_restarts, env, timeout, stdout, prefix, grace_period, log_dir,
-                      tee, verbose)
+                      tee, verbose, min_workers=min_workers)
     return run_group(command, num_workers, options)
 
 
@@ -233,39 +248,45 @@ def launch_script(
 
 
 def run_group(command: Sequence[str], num_workers: int, options: Options) -> LaunchResult:
-    """The core of every launcher: start, watch, restart, summarise."""
+    """The core of every launcher: start, watch, restart (shrinking), summarise."""
     argv = _check_command(command)
     _validation.check_int("num_workers", num_workers, minimum=1)
     _validation.check_optional_number("timeout", options.timeout, minimum=0, unit="seconds")
+    check_min_workers(options.min_workers, num_workers)
     base_env = _base_env(options)
     if options.log_dir is not None:
         os.makedirs(options.log_dir, exist_ok=True)
     output = _output.Output(options.stdout, log_path(options, "launcher"))
     deadline = None if options.timeout is None else time.monotonic() + options.timeout
+    group = Group(list(range(num_workers)), options.min_workers or num_workers)
     try:
         restarts = 0
         while True:
-            outcome, failed, workers = _run_attempt(argv, num_workers, base_env, restarts,
-                                                    output, options, deadline)
+            outcome, failed, workers, came_up = _run_attempt(
+                argv, group.slots, base_env, restarts, output, options, deadline)
             codes = tuple(worker.process.returncode for worker in workers)
+            dropped = tuple(group.dropped)
             if outcome == "ok":
                 return LaunchResult(0, codes, None, restarts,
-                                    f"{TAG}: all {num_workers} worker(s) succeeded")
+                                    f"{TAG}: all {len(codes)} worker(s) succeeded",
+                                    dropped_slots=dropped)
             if outcome == "timeout":
                 message = f"{TAG}: timed out after {options.timeout:g} s; stopped all workers"
                 output.message(message)
-                return LaunchResult(TIMEOUT_RETURNCODE, codes, None, restarts, message, True)
+                return LaunchResult(TIMEOUT_RETURNCODE, codes, None, restarts, message, True,
+                                    dropped)
             reason = describe_exit(failed, codes[failed])
             out_of_time = deadline is not None and time.monotonic() >= deadline
             if restarts < options.max_restarts and not out_of_time:
                 restarts += 1
-                output.message(f"{TAG}: restarting worker group (restart {restarts} of "
-                               f"{options.max_restarts}) after {reason}")
+                output.message(f"{TAG}: " + group.after_failure(
+                    failed, came_up, restarts, options.max_restarts, reason))
                 continue
             message = f"{TAG}: {reason}" + (f" (after {restarts} restart(s))" if restarts
                                             else "")
             _summarise(output, workers[failed], reason, message)
-            return LaunchResult(_shell_code(codes[failed]), codes, failed, restarts, message)
+            return LaunchResult(_shell_code(codes[failed]), codes, failed, restarts, message,
+                                dropped_slots=dropped)
     finally:
         output.close()
 
@@ -282,13 +303,20 @@ def _summarise(output, worker, reason, message) -> None:
     output.message(message)
 
 
-def _run_attempt(argv, num_workers, base_env, attempt, output, options, deadline):
-    """Starts one worker group and waits; returns (outcome, failed index, workers)."""
-    addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
+def _run_attempt(argv, slots, base_env, attempt, output, options, deadline):
+    """Starts one worker group on `slots` and waits.
+
+    Returns:
+        (outcome, failed index, workers, whether the group came up: a worker met all
+        its peers, `keras_dist.startup.rendezvous`).
+    """
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(len(slots))]
     workers: list[Worker] = []
+    up_dir = tempfile.mkdtemp(prefix="keras_dist_up_")
     try:
-        for index in range(num_workers):
-            env = dict(base_env, KERAS_DIST_RESTART=str(attempt))
+        for index, slot in enumerate(slots):
+            env = dict(base_env, KERAS_DIST_RESTART=str(attempt), KERAS_DIST_SLOT=str(slot))
+            env[UP_FILE_ENV] = os.path.join(up_dir, f"worker-{index}")
             if options.set_tf_config:
                 env["TF_CONFIG"] = make_tf_config(addresses, index)
             workers.append(Worker.start(index, argv, env, output, options, attempt))
@@ -301,7 +329,9 @@ def _run_attempt(argv, num_workers, base_env, attempt, output, options, deadline
         stop_workers(workers, options.grace_period)
         for worker in workers:
             worker.finish()
-    return outcome[0], outcome[1], workers
+        came_up = bool(os.path.isdir(up_dir) and os.listdir(up_dir))
+        shutil.rmtree(up_dir, ignore_errors=True)
+    return outcome[0], outcome[1], workers, came_up
 
 
 def _watch(workers, output, deadline):

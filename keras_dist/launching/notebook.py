@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
+from keras_dist import _validation
 from keras_dist.launching._core import WorkerError, run_function
 from keras_dist.launching.local import Options
 
@@ -26,6 +27,8 @@ def notebook_launcher(
     kwargs: Mapping[str, Any] | None = None,
     env: Mapping[str, str | None] | None = None,
     virtual_devices: int | None = None,
+    min_workers: int | None = None,
+    max_restarts: int = 0,
 ) -> list:
     """Calls `fn(*args, **kwargs)` on `num_workers` local worker processes.
 
@@ -45,9 +48,14 @@ def notebook_launcher(
         env: Extra environment variables for the workers (`None` values unset).
         virtual_devices: When set, each worker calls `keras_dist.virtual_devices(k)`
             before unpickling `fn`, so it has k logical devices.
+        min_workers: Shrink instead of stopping, down to this many workers, as
+            `keras-dist launch --min-workers` (`None`: never).
+        max_restarts: Restart the group up to this many times after a failure (`fn`
+            resumes from its `BackupAndRestore` backup).
 
     Returns:
-        The return values, ordered by worker index.
+        The return values of the last attempt's workers, ordered by worker index (fewer
+        than `num_workers` after shrinking).
 
     Raises:
         WorkerError: A worker raised (the message names it and contains its traceback)
@@ -64,5 +72,7 @@ def notebook_launcher(
         >>> keras_dist.notebook_launcher(train, args=(3,), num_workers=2)
         [0, 1]
     """
+    _validation.check_int("max_restarts", max_restarts, minimum=0)
     return run_function("notebook_launcher", fn, args, kwargs, num_workers,
-                        Options(env=env, timeout=timeout), virtual_devices)
+                        Options(env=env, timeout=timeout, max_restarts=max_restarts,
+                                min_workers=min_workers), virtual_devices)

@@ -126,7 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     payload_path, result_dir = argv
     record = run_payload(payload_path)
-    write_atomically(result_path(result_dir, task_index()), record)
+    # One file per attempt (`KERAS_DIST_RESTART`): a restarted group's results never
+    # mix with an earlier attempt's.
+    attempt = os.environ.get("KERAS_DIST_RESTART", "0")
+    write_atomically(result_path(result_dir, task_index(), f"attempt-{attempt}-worker-"),
+                     record)
     if record["status"] == "error":
         # Also in the streamed log, so it is visible even before the parent raises.
         sys.stderr.write(record["traceback"])

@@ -50,6 +50,7 @@ import time
 from typing import Callable, Mapping
 
 from keras_dist import _validation
+from keras_dist.startup.group_up import report_up
 from keras_dist.startup.signal_watcher import _connect
 
 __all__ = ["StartupError", "meet_peers", "startup_timeout", "DEFAULT_STARTUP_TIMEOUT"]
@@ -122,6 +123,7 @@ def meet_peers(cluster, timeout_seconds: float | None = None,
     with _signals_end_the_wait(meeting):
         meeting.run()
     _met.add((me, digest))
+    report_up(environ)
 
 
 # (task, cluster digest) of every meeting this process completed: the first op and
