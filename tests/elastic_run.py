@@ -31,7 +31,7 @@ def data_arrays():
 
 
 def train(backup_dir=None, *, stop_after=None, keep_backup=False, repeat=False,
-          sleep_ms=0, epochs=EPOCHS):
+          sleep_ms=0, epochs=EPOCHS, callbacks=()):
     """Trains and returns `{"weights", "iterations", "backup_step", "worker"}`.
 
     Args:
@@ -42,6 +42,8 @@ def train(backup_dir=None, *, stop_after=None, keep_backup=False, repeat=False,
         keep_backup: Keep the backup when `fit` ends (`delete_checkpoint=False`).
         repeat: The `repeat=True` + `steps_per_epoch` fit form.
         sleep_ms: Sleep this long after every batch (gives chaos time to strike).
+        epochs: Epochs to train.
+        callbacks: More callbacks, before the backup's.
     """
     import time
 
@@ -73,7 +75,7 @@ def train(backup_dir=None, *, stop_after=None, keep_backup=False, repeat=False,
             if stop_after is not None and self.trained >= stop_after:
                 self.model.stop_training = True
 
-    callbacks = [Interrupt()]
+    callbacks = [Interrupt(), *callbacks]
     if backup_dir is not None:
         callbacks.append(keras_dist.callbacks.BackupAndRestore(
             backup_dir, save_freq=5, delete_checkpoint=not keep_backup))

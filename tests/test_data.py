@@ -53,10 +53,14 @@ def test_array_sources_keep_structure_order_and_steps(structure):
 
 def test_dataset_source_with_map_fn_and_repeat():
     data = keras_dist.distribute_dataset(tf.data.Dataset.range(10), 3, shuffle=False,
-                                         map_fn=lambda i: i * 10, repeat=True)
+                                         map_fn=lambda i: i * 10, repeat=True,
+                                         drop_remainder=False)
     assert data.steps_per_epoch == 4
     assert [b.numpy().tolist() for b in data.take(5)] == [
         [0, 10, 20], [30, 40, 50], [60, 70, 80], [90], [0, 10, 20]]
+    # repeat=True drops the partial batch by default, on any number of workers.
+    assert keras_dist.distribute_dataset(tf.data.Dataset.range(10), 3,
+                                         repeat=True).steps_per_epoch == 3
 
 
 def test_tfrecord_glob_and_list_sources(tmp_path):
