@@ -44,6 +44,55 @@ def test_every_worker_count_reads_one_devices_global_batches(workers):
     assert np.array_equal(array_shard_indices(n, 1, 0, batch), np.arange(n))
 
 
+class _MapStyle:
+    """A map-style dataset: `len()` and `[i]` -> (features, label)."""
+
+    def __len__(self):
+        return 30
+
+    def __getitem__(self, index):
+        return [np.full(2, index, "float32"), index]
+
+
+def _labels(data):
+    return [int(v) for batch in data for v in np.asarray(batch[1])]
+
+
+def test_index_able_objects_and_pandas_frames_are_read_in_the_global_order():
+    pandas = pytest.importorskip("pandas")
+
+    data = keras_dist.distribute_dataset(_MapStyle(), 8, seed=SEED)
+    assert data.keras_dist_input.global_order and data.steps_per_epoch == 4
+    assert _labels(data) == epoch_order(30, 0, SEED).tolist()
+    assert _labels(data) == epoch_order(30, 1, SEED).tolist()  # the next epoch
+    frame = pandas.DataFrame({"a": np.arange(10.0), "b": np.arange(10.0) * 2})
+    data = keras_dist.distribute_dataset((frame, pandas.Series(np.arange(10))), 5, seed=SEED)
+    assert _labels(data) == epoch_order(10, 0, SEED).tolist()
+
+
+def test_sources_that_are_not_one_example_per_index_are_refused_clearly():
+    import keras
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            return np.zeros((4, 2)), np.zeros(4)
+
+    class Broken:
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, index):
+            raise KeyError(index)
+
+    with pytest.raises(TypeError, match="PyDataset, whose items are whole batches"):
+        keras_dist.distribute_dataset(Batches(), 4)
+    with pytest.raises(TypeError, match=r"`source\[0\]` failed with KeyError"):
+        keras_dist.distribute_dataset(Broken(), 4)
+
+
 # -- in fit, on one device ----------------------------------------------------------------
 def _plain_keras_epoch(epoch, initial):
     """Plain Keras, no strategy: one epoch on `epoch_order(epoch)` in order."""

@@ -32,7 +32,7 @@ import numpy as np
 
 __all__ = [
     "EpochClock", "InputOrder", "fit_input", "iterating", "fit_began", "array_shard_indices", "fit_began_epoch", "fit_ended", "fit_position",
-    "shard_sizes_by_element", "worker_indices",
+    "shard_sizes_by_element", "shard_sizes_in_order", "worker_indices",
 ]
 
 
@@ -115,6 +115,13 @@ def shard_sizes_by_element(num_examples: int, num_workers: int) -> list[int]:
     """Sizes of `Dataset.shard(num_workers, w)` for every worker w."""
     base, extra = divmod(num_examples, num_workers)
     return [base + (1 if w < extra else 0) for w in range(num_workers)]
+
+
+def shard_sizes_in_order(num_examples: int, num_workers: int, worker_batch: int) -> list[int]:
+    """Every worker's examples per epoch when dealt as `array_shard_indices` deals them."""
+    tails = shard_sizes_by_element(num_examples % (num_workers * worker_batch), num_workers)
+    full = num_examples // (num_workers * worker_batch) * worker_batch
+    return [full + tail for tail in tails]
 
 
 def array_shard_indices(num_examples: int, num_workers: int, worker_index: int,

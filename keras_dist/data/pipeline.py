@@ -37,8 +37,9 @@ a worker that stops early leaves the others waiting in a collective for ever.
       resumes on another count).
 
 Order, and what each source guarantees:
-    * Arrays, dicts/tuples of arrays, pandas frames (index-able sources): one global
-      order (`keras_dist/data/order.py`). Epoch e's order is
+    * Arrays, dicts/tuples of arrays, pandas frames, and any object with `len()` whose
+      `source[i]` is one example (index-able sources): one global order
+      (`keras_dist/data/order.py`). Epoch e's order is
       `numpy.random.default_rng([seed, e]).permutation(n)` (`shuffle=True`) or the
       original order, and global step t trains on its t-th global batch: the same
       samples for any number of workers and replicas at a fixed global batch, equal to
@@ -123,12 +124,12 @@ def distribute_dataset(
     guarantees and the uneven-data policy.
 
     Args:
-        source: NumPy arrays, or a tuple `(x, y)` / `(x, y, sample_weight)` / dict (nests
-            allowed) of equally long arrays; a `tf.data.Dataset` of unbatched elements;
-            a list of TFRecord paths or a glob (elements are serialized records: parse
-            them in `map_fn`); a Ray Data shard (with `feature_columns`/`label_columns`);
-            or a function `input_context -> tf.data.Dataset` of this worker's unbatched
-            elements (it shards itself by `input_context.input_pipeline_id`).
+        source: Arrays, or a tuple `(x, y[, sample_weight])` / dict (nests allowed) of
+            them; an object with `len()` and `source[i]` -> one example; a
+            `tf.data.Dataset` of unbatched elements; a list of TFRecord paths or a glob
+            (serialized records: parse them in `map_fn`); a Ray Data shard (with
+            `feature_columns`/`label_columns`); or a function `input_context ->
+            tf.data.Dataset` of this worker's unbatched elements (it shards itself).
         per_replica_batch_size: Examples per replica per step (the global batch is this
             times `strategy.num_replicas_in_sync`).
         strategy: Default: the active one, else `keras_dist.strategy()`'s.

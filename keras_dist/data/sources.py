@@ -17,7 +17,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from keras_dist.data.order import array_shard_indices, shard_sizes_by_element, worker_indices
+from keras_dist.data import map_style
+from keras_dist.data.order import (
+    array_shard_indices, shard_sizes_by_element, shard_sizes_in_order, worker_indices,
+)
 from keras_dist.data.source_base import Source
 
 # Arrays fit in memory by definition, so their shard is shuffled whole, up to
@@ -75,10 +78,7 @@ class ArraySource(Source):
             num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
     def shard_sizes(self, num_workers, worker_batch):
-        tails = shard_sizes_by_element(self.num_examples % (num_workers * worker_batch),
-                                       num_workers)
-        full = self.num_examples // (num_workers * worker_batch) * worker_batch
-        return [full + tail for tail in tails]
+        return shard_sizes_in_order(self.num_examples, num_workers, worker_batch)
 
     def default_shuffle_buffer(self, shard_size):
         # The whole shard (a full shuffle of it) while that buffer stays under 1 GiB.
@@ -222,6 +222,8 @@ def make_source(source, feature_columns=None, label_columns=None) -> Source:
     if isinstance(source, (tuple, dict)) or _is_array(source):
         structure = _to_array_structure(source)
         return ArraySource(structure, _common_length(structure))
+    if map_style.is_indexable(source):
+        return map_style.indexable_source(source)
     raise TypeError(
         "Argument `source` must be NumPy arrays (or a tuple/dict of them), a "
         "tf.data.Dataset of unbatched elements, a list of TFRecord paths or a glob string, "

@@ -147,6 +147,9 @@ def _global_order_pipeline(source, plan: Plan, layout: Layout, worker_index: int
 
     clock = order.EpochClock(plan.steps)
 
+    # Dataset construction only (no Python control flow on tensors): AutoGraph would
+    # only warn about the sources' generators.
+    @tf.autograph.experimental.do_not_convert
     def one_pass(epoch):
         dataset = source.epoch_dataset(epoch, layout.num_workers, worker_index,
                                        plan.worker_batch, settings.seed)
