@@ -19,8 +19,10 @@ G, and a backup written by N workers resumes on M at the next unseen global batc
 Which epoch an iterator starts at (`EpochClock`): inside `model.fit`, the epoch Keras is in
 (`fit_began_epoch`, published by the compat fix `input_epoch` from Keras' epoch loop, so a
 run resumed at epoch 7 reads epoch 7's order); with `repeat=True` the stream then runs on
-through epochs e+1, e+2, ... Outside `fit` (a custom loop iterating the dataset), each new
-iterator starts the next epoch of the dataset's own count, from 0.
+through epochs e+1, e+2, ... Outside `fit` (a custom loop iterating the dataset), and
+under legacy Keras 2 (`tf_keras`, whose fit keras_dist does not patch), each new iterator
+starts the next epoch of the dataset's own count, from 0: the same across worker counts,
+but a resumed legacy run restarts at epoch 0's order.
 """
 
 from __future__ import annotations
