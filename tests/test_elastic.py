@@ -207,6 +207,8 @@ def test_two_workers_with_shuffling_equal_one_device(two_worker_runs, reference)
     results, _ = two_worker_runs
     (full, _), (full_1, _) = results
     assert max_diff(full["weights"], full_1["weights"]) == 0.0
+    diff = max_diff(full["weights"], reference["weights"])
+    print(f"2 workers vs one device, shuffled: {diff:.2e}")
     assert max_diff(full["weights"], reference["weights"]) < TOLERANCE
     assert full["iterations"] == reference["iterations"] == 39
 
@@ -218,6 +220,8 @@ def test_a_two_worker_backup_resumes_exactly_on_one_device(two_worker_runs, refe
     assert results[0][1]["backup_step"] == (1, 7)  # mid-epoch
     copy = shutil.copytree(backup, tmp_path / "backup")
     resumed = train(str(copy))
+    diff = max_diff(resumed["weights"], reference["weights"])
+    print(f"2 workers -> 1 device, mid-epoch: {diff:.2e}")
     assert max_diff(resumed["weights"], reference["weights"]) < TOLERANCE
     assert resumed["iterations"] == 39
 
@@ -235,6 +239,8 @@ def test_a_one_device_backup_resumes_exactly_on_two_workers(worker_pool, referen
         return train(backup)
 
     resumed = worker_pool.run(resume, args=(backup,), timeout=300)
+    print(f"1 device -> 2 workers, mid-epoch: "
+          f"{max_diff(resumed[0]['weights'], reference['weights']):.2e}")
     assert max_diff(resumed[0]["weights"], reference["weights"]) < TOLERANCE
     assert max_diff(resumed[1]["weights"], reference["weights"]) < TOLERANCE
 
@@ -258,6 +264,8 @@ def test_a_two_worker_backup_resumes_exactly_on_four_replicas(two_worker_runs, r
     resumed, replicas = run_in_subprocess(resume, args=(copy,), virtual_devices=4,
                                           timeout=300)
     assert replicas == 4
+    print(f"2 workers -> 4 replicas, mid-epoch: "
+          f"{max_diff(resumed['weights'], reference['weights']):.2e}")
     assert max_diff(resumed["weights"], reference["weights"]) < TOLERANCE
 
 
