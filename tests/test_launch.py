@@ -197,9 +197,25 @@ def test_max_restarts_exhausted_returns_the_failure(tmp_path):
     assert "after 1 restart(s)" in result.message
 
 
+@pytest.fixture()
+def sigint_as_in_a_terminal():
+    """Ctrl+C's SIGINT handled as in a terminal's foreground job, whatever this process
+    inherited: a shell without job control starts background commands (`cmd &`, so a CI
+    script run that way) with SIGINT ignored, and Python then installs no handler for it
+    (and its children inherit the ignore)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def _sigint_default():
+    # preexec_fn of a child that must get SIGINT as a foreground job would.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.multiworker
 @pytest.mark.timeout(60)
-def test_keyboard_interrupt_stops_all_workers(tmp_path):
+def test_keyboard_interrupt_stops_all_workers(tmp_path, sigint_as_in_a_terminal):
     def interrupt_when_started():
         deadline = time.monotonic() + 30
         while len(_read_pids(tmp_path)) < 2 and time.monotonic() < deadline:
@@ -308,6 +324,7 @@ def test_cli_interrupted_stops_all_workers(tmp_path, signum):
         [sys.executable, "-m", "keras_dist", "launch", "-n", "2", FAIL_ONE, str(tmp_path),
          "--fail-worker", "-1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        preexec_fn=_sigint_default,
     )
     try:
         deadline = time.monotonic() + 30
