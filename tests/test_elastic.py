@@ -2,8 +2,8 @@
 
 The reference is one device, uninterrupted, shuffling on (`tests/elastic_run.py`). Two
 workers must equal it, and so must every run interrupted mid-epoch and resumed on another
-number of workers or replicas: 2 -> 1, 1 -> 2 (the shared worker pool; fast lane),
-2 -> 4 replicas (virtual devices; slow lane). The launcher's shrink and the chaos run are
+number of workers or replicas: 2 -> 1 (fast lane), 1 -> 2 (the shared worker pool) and
+2 -> 4 replicas (virtual devices) in the slow lane. The launcher's shrink and the chaos run are
 in `tests/test_elastic_launch.py`.
 """
 
@@ -226,6 +226,7 @@ def test_a_two_worker_backup_resumes_exactly_on_one_device(two_worker_runs, refe
     assert resumed["iterations"] == 39
 
 
+@pytest.mark.slow
 @pytest.mark.multiworker
 def test_a_one_device_backup_resumes_exactly_on_two_workers(worker_pool, reference,
                                                              tmp_path):
