@@ -30,8 +30,8 @@ import threading
 import warnings
 
 from keras_dist.compat import (
-    _patch, _probe, build_without_call, input_epoch, loss_scale, optimizer_options, reduce_per_replica,
-    registry, step_loss_scale, symbolic_build, writers,
+    _patch, _probe, build_without_call, input_epoch, loss_scale, optimizer_options,
+    reduce_per_replica, registry, step_loss_scale, symbolic_build, writers,
 )
 from keras_dist.compat._fix import Fix
 from keras_dist.compat._keras_tf import keras_version

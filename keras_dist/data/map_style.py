@@ -33,14 +33,14 @@ def indexable_source(source) -> Source:
     if length == 0:
         raise ValueError("Argument `source` has no examples (len(source) == 0).")
     try:
-        source[0]
+        first = source[0]
     except Exception as error:  # the user's __getitem__ may raise anything
         raise TypeError(
             f"Argument `source` ({type(source).__name__}) has a length but `source[0]` "
             f"failed with {type(error).__name__}: {error}. An index-able source must "
             "return one example (an array, or a tuple/dict of arrays) for each index "
             "0..len-1.") from error
-    return IndexableSource(source, length)
+    return IndexableSource(source, length, first)
 
 
 class IndexableSource(Source):
@@ -51,12 +51,14 @@ class IndexableSource(Source):
     description = "an index-able source"
     global_order = True
 
-    def __init__(self, source, num_examples: int):
+    def __init__(self, source, num_examples: int, first_example):
+        import tensorflow as tf
+
         self.source = source
         self.num_examples = num_examples
-        first = _example_arrays(source[0])
-        self._spec = _nest_map(
-            lambda array: _tensor_spec(array.shape, array.dtype), first)
+        self._spec = tf.nest.map_structure(
+            lambda array: tf.TensorSpec(array.shape, tf.as_dtype(array.dtype)),
+            _example_arrays(first_example))
 
     def shard_sizes(self, num_workers, worker_batch):
         return shard_sizes_in_order(self.num_examples, num_workers, worker_batch)
@@ -93,17 +95,3 @@ def _example_arrays(example):
     if isinstance(example, (tuple, list)):
         return tuple(_example_arrays(value) for value in example)
     return np.asarray(example)
-
-
-def _nest_map(fn, structure):
-    if isinstance(structure, dict):
-        return {key: _nest_map(fn, value) for key, value in structure.items()}
-    if isinstance(structure, tuple):
-        return tuple(_nest_map(fn, value) for value in structure)
-    return fn(structure)
-
-
-def _tensor_spec(shape, dtype):
-    import tensorflow as tf
-
-    return tf.TensorSpec(shape, tf.as_dtype(dtype))

@@ -33,7 +33,8 @@ import threading
 import numpy as np
 
 __all__ = [
-    "EpochClock", "InputOrder", "fit_input", "iterating", "fit_began", "array_shard_indices", "fit_began_epoch", "fit_ended", "fit_position",
+    "EpochClock", "InputOrder", "array_shard_indices", "epoch_order", "fit_began",
+    "fit_began_epoch", "fit_ended", "fit_input", "fit_position", "iterating",
     "shard_sizes_by_element", "shard_sizes_in_order", "worker_indices",
 ]
 

@@ -70,7 +70,7 @@ from keras_dist import _runtime, _validation
 from keras_dist.data import order
 from keras_dist.data import sources as _data_sources
 from keras_dist.data.plan import Layout, Plan, layout_of, plan_for
-from keras_dist.data.worker_pipeline import Settings, worker_pipeline
+from keras_dist.data.worker_pipeline import Settings, in_global_order, worker_pipeline
 from keras_dist.strategies import resolve_strategy
 
 __all__ = ["distribute_dataset", "steps_per_epoch"]
@@ -198,7 +198,7 @@ def _build(source, per_replica_batch_size, settings, strategy):
         steps = pass_cardinality
     data.steps_per_epoch = steps
     data.keras_dist_input = order.InputOrder(
-        global_order=source.global_order and (not settings.shuffle or not settings.cache),
+        global_order=in_global_order(source, settings),
         global_batch=plan.worker_batch * layout.num_workers, source=source.description)
     return data
 

@@ -64,8 +64,7 @@ class ArraySource(Source):
             # Converted once per process (zero-copy for aligned NumPy arrays on CPU).
             self._tensors = tf.nest.map_structure(tf.convert_to_tensor, self.structure)
         tensors = self._tensors
-        size = len(array_shard_indices(self.num_examples, num_workers, worker_index,
-                                       worker_batch))
+        size = shard_sizes_in_order(self.num_examples, num_workers, worker_batch)[worker_index]
 
         def indices(epoch_value):
             return worker_indices(self.num_examples, num_workers, worker_index,

@@ -17,7 +17,7 @@ from keras_dist.data import order
 from keras_dist.data import sources as _data_sources
 from keras_dist.data.plan import Layout, Plan
 
-__all__ = ["Settings", "worker_pipeline"]
+__all__ = ["Settings", "in_global_order", "worker_pipeline"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,8 @@ def worker_pipeline(source, plan: Plan, layout: Layout, worker_index: int,
     """
     import tensorflow as tf
 
-    if _in_global_order(source, settings):
+    # Unshuffled, the fixed blocks of the shard path already are the identity order.
+    if settings.shuffle and in_global_order(source, settings):
         dataset, pass_cardinality = _global_order_pipeline(source, plan, layout,
                                                            worker_index, settings)
     else:
@@ -67,11 +68,11 @@ def worker_pipeline(source, plan: Plan, layout: Layout, worker_index: int,
     return dataset.prefetch(tf.data.AUTOTUNE).with_options(options), pass_cardinality
 
 
-def _in_global_order(source, settings: Settings) -> bool:
-    """Shuffled index-able sources read in the global order (`data/order.py`); unshuffled
-    ones are in it already (their fixed blocks are its identity order), and `cache`
-    keeps a fixed per-worker shard (the cache holds it)."""
-    return source.global_order and settings.shuffle and not settings.cache
+def in_global_order(source, settings: Settings) -> bool:
+    """Whether the input's global batches follow `data/order.py` (the same for any
+    worker count): index-able sources, except shuffled with `cache`, which keeps a fixed
+    per-worker shard (the cache holds it)."""
+    return source.global_order and not (settings.shuffle and settings.cache)
 
 
 def _apply_map(dataset, map_fn):
