@@ -31,6 +31,7 @@ def run_on_workers(
     timeout: float | None = 300,
     env: Mapping[str, str | None] | None = None,
     virtual_devices: int | None = None,
+    preload: bool = True,
 ) -> list:
     """Calls `fn(*args, **kwargs)` on `num_workers` local workers and returns the results.
 
@@ -49,6 +50,11 @@ def run_on_workers(
         env: Extra environment variables for the workers (`None` values unset).
         virtual_devices: Give each worker this many logical devices
             (`keras_dist.virtual_devices(k)`) before `fn` runs.
+        preload: Fork the workers from a server process that has already imported
+            TensorFlow, Keras and keras_dist (seconds of CPU less per worker; see
+            `keras_dist.launching.zygote`). Each is still a new process with its own
+            TensorFlow runtime, environment and session. `False` starts fresh
+            interpreters, for code that must run before TensorFlow is imported.
 
     Returns:
         The return values, ordered by worker index.
@@ -66,7 +72,7 @@ def run_on_workers(
         [0, 1]
     """
     return run_function("run_on_workers", fn, args, kwargs, num_workers,
-                        Options(env=env, timeout=timeout), virtual_devices)
+                        Options(env=env, timeout=timeout, preload=preload), virtual_devices)
 
 
 def run_in_subprocess(
@@ -77,6 +83,7 @@ def run_in_subprocess(
     timeout: float | None = 300,
     env: Mapping[str, str | None] | None = None,
     virtual_devices: int | None = None,
+    preload: bool = True,
 ) -> Any:
     """Calls `fn(*args, **kwargs)` in one fresh Python process and returns its result.
 
@@ -91,6 +98,8 @@ def run_in_subprocess(
         timeout: Seconds before the process is stopped and `TimeoutError` is raised.
         env: Extra environment variables (`None` values unset).
         virtual_devices: Call `keras_dist.virtual_devices(k)` in the process before `fn`.
+        preload: Fork the process from one that has already imported TensorFlow (see
+            `run_on_workers`); `False` starts a fresh interpreter.
 
     Returns:
         What `fn` returned.
@@ -107,7 +116,8 @@ def run_in_subprocess(
         4
     """
     (value,) = run_function("run_in_subprocess", fn, args, kwargs, 1,
-                            Options(env=env, timeout=timeout, set_tf_config=False),
+                            Options(env=env, timeout=timeout, set_tf_config=False,
+                                    preload=preload),
                             virtual_devices)
     return value
 

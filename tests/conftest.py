@@ -20,6 +20,8 @@ import threading
 
 import pytest
 
+from keras_dist.launching import zygote
+
 # Quiets TensorFlow's C++ start-up logs in this process and, inherited, in the workers.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -29,6 +31,7 @@ PROCESS_MARKERS = ("multiworker", "ray")
 _PROBES = {"uname", "ldconfig", "lscpu", "nvidia-smi"}
 _running: dict = {"item": None}
 _popen_init = subprocess.Popen.__init__
+_spawn = zygote.spawn
 
 
 def _starts_processes(item) -> bool:
@@ -36,6 +39,11 @@ def _starts_processes(item) -> bool:
 
 
 def _guarded_popen_init(self, *args, **kwargs):
+    _check_marked(*args, **kwargs)
+    _popen_init(self, *args, **kwargs)
+
+
+def _check_marked(*args, **kwargs):
     item = _running["item"]
     # Only the test's own thread: a background thread of an earlier (marked) test's
     # fixture may still be starting its workers.
@@ -49,15 +57,23 @@ def _guarded_popen_init(self, *args, **kwargs):
             "@pytest.mark.multiworker (or @pytest.mark.ray for a Ray cluster). Mark it, "
             "and mark it @pytest.mark.slow too unless it belongs in the fast lane.",
             pytrace=False)
-    _popen_init(self, *args, **kwargs)
+
+
+def _guarded_spawn(argv, env):
+    # Workers forked by the preloaded server (keras_dist.launching.zygote) are processes a
+    # test starts too, though no Popen of this process starts them.
+    _check_marked(argv)
+    return _spawn(argv, env)
 
 
 def pytest_configure(config):
     subprocess.Popen.__init__ = _guarded_popen_init
+    zygote.spawn = _guarded_spawn
 
 
 def pytest_unconfigure(config):
     subprocess.Popen.__init__ = _popen_init
+    zygote.spawn = _spawn
 
 
 def _ray_running() -> bool:

@@ -9,6 +9,7 @@ import time
 import psutil
 import pytest
 
+from keras_dist.launching import zygote
 from keras_dist.launching.notebook import WorkerError, notebook_launcher
 from keras_dist.testing import run_in_subprocess, run_on_workers
 
@@ -136,8 +137,12 @@ def test_timeout_raises_timeout_error_and_stops_the_workers(tmp_path):
     # function wrote its pid files: check that none of our child processes is left.
     if os.listdir(tmp_path):
         _assert_gone(tmp_path)
+    # The preloaded worker server (launching/zygote.py) stays for the next call; the
+    # workers it forked are its children, so they are still found here.
+    servers = zygote.server_pids()
     left = [child for child in psutil.Process().children(recursive=True)
-            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+            and child.pid not in servers]
     assert not left, left
 
 
@@ -154,8 +159,17 @@ def test_run_in_subprocess_runs_alone_without_tf_config(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_workers_do_not_import_tensorflow_unless_the_function_does():
-    # Keeps every worker's start-up fast; TensorFlow is imported by the user's code.
-    assert run_in_subprocess(lambda: "tensorflow" in sys.modules) is False
+    # Keeps every fresh worker's start-up fast; TensorFlow is imported by the user's code.
+    assert run_in_subprocess(lambda: "tensorflow" in sys.modules, preload=False) is False
+    # A preloaded worker was forked after the import, with the runtime not started yet.
+    assert run_in_subprocess(_tensorflow_state) == (True, False)
+
+
+def _tensorflow_state():
+    """(TensorFlow imported, its eager context created) when the function starts."""
+    from tensorflow.python.eager import context
+
+    return "tensorflow" in sys.modules, context.context_safe() is not None
 
 
 def test_worker_error_survives_pickling():

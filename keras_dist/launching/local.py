@@ -91,6 +91,8 @@ class Options:
     verbose: bool | None = None
     set_tf_config: bool = True  # False runs lone processes (run_in_subprocess)
     min_workers: int | None = None  # None: never shrink
+    # Fork workers from a process that already imported TensorFlow (launching/zygote.py).
+    preload: bool = False
 
 
 def free_ports(n: int) -> list[int]:

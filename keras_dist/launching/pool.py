@@ -67,6 +67,8 @@ class WorkerPool:
         num_workers: Number of worker processes (>= 1).
         virtual_devices: Give each worker this many logical devices before any call.
         env: Extra environment variables for the workers (`None` values unset).
+        preload: Fork the workers from a process that has already imported TensorFlow
+            (`keras_dist.testing.run_on_workers`); `False` starts fresh interpreters.
 
     Example:
         >>> def replicas():
@@ -78,7 +80,7 @@ class WorkerPool:
     """
 
     def __init__(self, num_workers: int = 2, *, virtual_devices: int | None = None,
-                 env: Mapping[str, str | None] | None = None):
+                 env: Mapping[str, str | None] | None = None, preload: bool = True):
         from keras_dist import _validation
 
         _validation.check_int("num_workers", num_workers, minimum=1)
@@ -88,6 +90,7 @@ class WorkerPool:
         self.num_workers = num_workers
         self.virtual_devices = virtual_devices
         self.env = dict(env or {})
+        self.preload = preload
         self.starts = 0  # how many times the group was started (a restart after a failure)
         self._group: _Group | None = None
         self._lock = threading.Lock()
@@ -111,7 +114,8 @@ class WorkerPool:
         with self._lock:
             if self._group is None or not self._group.alive():
                 self._stop_group()
-                self._group = _Group.start(self.num_workers, self.virtual_devices, self.env)
+                self._group = _Group.start(self.num_workers, self.virtual_devices, self.env,
+                                           self.preload)
                 self.starts += 1
             try:
                 return self._group.call(fn, args, kwargs, timeout)
@@ -140,7 +144,7 @@ class _Group:
     broken: bool = False  # a call was left unfinished: the processes must go
 
     @classmethod
-    def start(cls, num_workers, virtual_devices, env) -> "_Group":
+    def start(cls, num_workers, virtual_devices, env, preload) -> "_Group":
         directory = tempfile.mkdtemp(prefix="keras_dist_pool_")
         with open(os.path.join(directory, "setup.pkl"), "wb") as file:
             pickle.dump({"version": _worker.PAYLOAD_VERSION, "parent": os.getpid(),
@@ -152,7 +156,8 @@ class _Group:
         outcome: list = []
         thread = threading.Thread(
             target=lambda: outcome.append(run_group(command, num_workers,
-                                                    Options(env=env, timeout=None))),
+                                                    Options(env=env, timeout=None,
+                                                            preload=preload))),
             name="keras_dist-worker-pool", daemon=True)
         thread.start()
         return cls(directory, num_workers, thread, outcome)

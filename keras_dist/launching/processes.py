@@ -2,8 +2,8 @@
 ended, and stopping a group with every process it started, never hanging.
 
 Used by `keras_dist.launching.local`. A "worker" for `stop_workers` is anything with a
-`.process` attribute holding a `subprocess.Popen` started in its own session (so its pid
-is also its process group).
+`.process` attribute holding a `subprocess.Popen` (or a `zygote.ForkedProcess`, which
+behaves like one) started in its own session (so its pid is also its process group).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 import psutil
 
 from keras_dist.launching import output as _output
+from keras_dist.launching import zygote
 
 __all__ = ["POLL_INTERVAL", "Worker", "describe_exit", "log_path", "signal_name",
            "stop_workers"]
@@ -112,7 +113,7 @@ class Worker:
     """One started worker process: its output reader and, with `log_dir`, its log file."""
 
     index: int
-    process: subprocess.Popen
+    process: subprocess.Popen  # or zygote.ForkedProcess
     reader: threading.Thread
     stream: _output.WorkerStream
     log_file: object = None
@@ -123,17 +124,22 @@ class Worker:
         if options.log_dir is not None:
             log_file = open(log_path(options, f"worker-{index}"), "a", encoding="utf-8")
             log_file.write(f"=== keras-dist launch: worker {index}, attempt {attempt} ===\n")
-        process = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            # Own session and process group: a terminal's Ctrl+C reaches only the
-            # launcher, which stops the workers in order, and a whole worker (with any
-            # children) can be signalled at once.
-            start_new_session=True,
-        )
+        if options.preload and zygote.supports(argv):
+            # Forked from a process that already imported TensorFlow, with the same
+            # session, output pipe and environment as the Popen below.
+            process = zygote.spawn(argv, env)
+        else:
+            process = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                # Own session and process group: a terminal's Ctrl+C reaches only the
+                # launcher, which stops the workers in order, and a whole worker (with
+                # any children) can be signalled at once.
+                start_new_session=True,
+            )
         to_terminal = options.log_dir is None or options.tee
         stream = _output.WorkerStream(
             f"[worker {index}] " if options.prefix else "",
