@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -23,10 +24,14 @@ def _doctor(*args, env=None):
 @pytest.mark.slow
 def test_doctor_passes_here_with_a_two_worker_self_test():
     completed = _doctor()
-    lines = completed.stdout.splitlines()
+    # On a loaded machine a peer may take over 10 s to start: its worker then says whom
+    # it waits for (startup/rendezvous.py). Information, not a failed check.
+    lines = [line for line in completed.stdout.splitlines()
+             if not re.fullmatch(r"\[worker \d\] keras_dist: worker \d is waiting for worker "
+                                 r"\d.*KERAS_DIST_STARTUP_TIMEOUT\)", line)]
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert all(line.startswith("[ ok ] ") for line in lines[:-1]), completed.stdout
-    text = completed.stdout
+    text = "\n".join(lines)
     for expected in ("tensorflow 2.", "keras 3.", "keras-dist ", "cluster: none configured",
                      "compat fix symbolic_build_multi_worker: ",
                      "self-test strategy: MultiWorkerMirroredStrategy, 2 replica(s)",

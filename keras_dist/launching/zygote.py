@@ -81,8 +81,9 @@ def _zygote_key(env) -> tuple:
 
 
 def supports(argv) -> bool:
-    """Whether `argv` is `python -m module ...` or `python script ...` of this Python."""
-    return (len(argv) >= 2 and os.path.realpath(argv[0]) == os.path.realpath(sys.executable)
+    """Whether `argv` is `python -m module ...` or `python script ...` of this Python
+    (this venv's: not resolved through links, which lead every venv to one binary)."""
+    return (len(argv) >= 2 and os.path.abspath(argv[0]) == os.path.abspath(sys.executable)
             and (argv[1] == "-m" and len(argv) >= 3 or not argv[1].startswith("-")))
 
 

@@ -162,7 +162,8 @@ class _Meeting:
                 now = time.monotonic()
                 if now >= self.deadline:
                     raise StartupError(self._timeout_message())
-                if not told and now - self.started > _WAIT_MESSAGE_AFTER:
+                # Checked again: the peers may all have answered in the steps above.
+                if not told and now - self.started > _WAIT_MESSAGE_AFTER and self.missing():
                     told = True
                     sys.stderr.write(f"keras_dist: {_name(self.me)} is waiting for "
                                      f"{self._describe_missing()} (startup timeout "
