@@ -7,6 +7,7 @@ worker, an unpicklable call, a worker that dies (the pool starts new processes).
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -79,3 +80,22 @@ def test_bad_arguments_are_refused_clearly():
         WorkerPool(virtual_devices=0)
     with pytest.raises(TypeError, match="callable"):
         WorkerPool().run("not a function")
+
+
+def _private_dir():
+    from keras_dist.checkpointing import stock_writers
+
+    return stock_writers.private_dir("pooltest", remove_at_exit=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_pool_leaves_no_private_directory():
+    # Pool workers end with os._exit (no atexit): they remove their private directories
+    # (non-chief callback outputs) themselves.
+    with WorkerPool(num_workers=1) as pool:
+        (directory,) = pool.run(_private_dir)
+        assert os.path.isdir(directory)
+    deadline = time.monotonic() + 30
+    while os.path.exists(directory) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(directory)

@@ -39,7 +39,7 @@ from keras_dist.checkpointing import pairing
 from keras_dist.checkpointing.pairing import ENV_SWITCH, ENV_TIMEOUT, StockWriterError
 
 __all__ = ["ENV_SWITCH", "ENV_TIMEOUT", "PrivateOutput", "StockWriterError", "active",
-           "private_dir", "replace_into", "write"]
+           "private_dir", "remove_private_dirs", "replace_into", "write"]
 
 TMP_PREFIX = ".tmp-keras-dist-"
 PRIVATE_PREFIX = "keras_dist-worker"
@@ -101,8 +101,21 @@ def private_dir(kind: str, *, remove_at_exit: bool = False) -> str:
 
     directory = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{_runtime.worker_index()}-{kind}-")
     if remove_at_exit:
-        atexit.register(shutil.rmtree, directory, True)
+        _REMOVE_AT_EXIT.append(directory)
     return directory
+
+
+_REMOVE_AT_EXIT: list = []
+
+
+@atexit.register
+def remove_private_dirs() -> None:
+    """Removes this process's `remove_at_exit` private directories (also at exit).
+
+    For a process that ends with `os._exit` (a `WorkerPool` worker), which skips atexit.
+    """
+    while _REMOVE_AT_EXIT:
+        shutil.rmtree(_REMOVE_AT_EXIT.pop(), ignore_errors=True)
 
 
 def write(path: str, write_to: Callable[[str], Any], *, in_place: bool = False,

@@ -254,7 +254,11 @@ def serve(directory: str) -> int:
         while not os.path.exists(call):
             if os.path.exists(os.path.join(directory, "stop")) or not _alive(setup["parent"]):
                 # Idle, every call answered: skip the interpreter's and TensorFlow's exit
-                # handlers (a multi-worker runtime waits on its peers there for seconds).
+                # handlers (a multi-worker runtime waits on its peers there for seconds),
+                # but not the removal of the worker's private directories.
+                writers = sys.modules.get("keras_dist.checkpointing.stock_writers")
+                if writers is not None:
+                    writers.remove_private_dirs()
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(0)
