@@ -286,14 +286,20 @@ def serve(path, parent) -> None:
     os.replace(path + ".tmp", path)  # connectable only once every import is done
     children: dict = {}  # pid -> connection
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    while os.getppid() == parent:
-        ready, _, _ = select.select([server], [], [], _POLL_SECONDS)
-        if ready:
-            connection, _ = server.accept()
-            pid = _fork_one(server, connection, children, base_path)
-            if pid is not None:
-                children[pid] = connection
-        _reap(children)
+    me = os.getpid()
+    try:
+        while os.getppid() == parent:
+            ready, _, _ = select.select([server], [], [], _POLL_SECONDS)
+            if ready:
+                connection, _ = server.accept()
+                pid = _fork_one(server, connection, children, base_path)
+                if pid is not None:
+                    children[pid] = connection
+            _reap(children)
+    finally:
+        if os.getpid() == me:  # not in a forked worker, whose exit passes here too
+            # The parent may end without its atexit (pytest-xdist's workers do).
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def _fork_one(server, connection, children, base_path):
