@@ -51,7 +51,7 @@ def run_on_workers(
         virtual_devices: Give each worker this many logical devices
             (`keras_dist.virtual_devices(k)`) before `fn` runs.
         preload: Fork the workers from a server process that has already imported
-            TensorFlow, Keras and keras_dist (seconds of CPU less per worker; see
+            TensorFlow and Keras (seconds of CPU less per worker; see
             `keras_dist.launching.zygote`). Each is still a new process with its own
             TensorFlow runtime, environment and session. `False` starts fresh
             interpreters, for code that must run before TensorFlow is imported.
@@ -85,7 +85,7 @@ def run_in_subprocess(
     virtual_devices: int | None = None,
     preload: bool = True,
 ) -> Any:
-    """Calls `fn(*args, **kwargs)` in one fresh Python process and returns its result.
+    """Calls `fn(*args, **kwargs)` in one new Python process and returns its result.
 
     Use it when a test needs its own TensorFlow runtime, e.g. four virtual CPU devices for
     a `MirroredStrategy` test although the test process already initialised TensorFlow.

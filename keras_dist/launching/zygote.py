@@ -238,20 +238,21 @@ class ForkedProcess:
         with self._lock:
             if self.returncode is not None:
                 return self.returncode
-            if self._connection is None:  # the zygote died: watch the pid itself
-                self.returncode = None if _running(self.pid) else 255
-                if self.returncode is None:
-                    time.sleep(seconds)
-                return self.returncode
-            ready, _, _ = select.select([self._connection], [], [], seconds)
-            if ready:
+            if self._connection is not None:
+                ready, _, _ = select.select([self._connection], [], [], seconds)
+                if not ready:
+                    return None
                 message = self._connection.recv(_MESSAGE_BYTES)
-                if message.startswith(b"exit "):
-                    self.returncode = int(message[5:])
                 self._connection.close()
                 self._connection = None
-                if self.returncode is None:
-                    self.returncode = None if _running(self.pid) else 255
+                if message.startswith(b"exit "):
+                    self.returncode = int(message[5:])
+                    return self.returncode
+                seconds = 0.0  # the zygote died without saying: watch the pid itself
+            if _running(self.pid):
+                time.sleep(seconds)
+            else:
+                self.returncode = 255  # its status went to the zygote's parent: unknown
             return self.returncode
 
 
@@ -333,9 +334,8 @@ def _reap(children) -> None:
             return
         connection = children.pop(pid, None)
         if connection is not None:
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            try:
-                connection.send(f"exit {code}".encode())
+            try:  # -N for signal N, as Popen.returncode
+                connection.send(f"exit {os.waitstatus_to_exitcode(status)}".encode())
             except OSError:
                 pass
             connection.close()
