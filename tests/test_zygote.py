@@ -98,8 +98,9 @@ def test_a_variable_read_at_import_gets_a_zygote_started_with_it():
     started = zygote.server_pids() - before
     assert len(started) == 1
     key = dict(zygote.import_key({"TF_CPP_MIN_LOG_LEVEL": "1", "TF_CONFIG": "{}",
-                                  "KERAS_DIST_SLOT": "1", "PATH": "/bin"}))
-    assert key == {"TF_CPP_MIN_LOG_LEVEL": "1"}
+                                  "KERAS_DIST_SLOT": "1", "KERAS_DIST_DISABLE_COMPAT": "x",
+                                  "KERAS_BACKEND": "tensorflow", "PATH": "/bin"}))
+    assert key == {"TF_CPP_MIN_LOG_LEVEL": "1", "KERAS_BACKEND": "tensorflow"}
 
 
 def _op_then_strategy():

@@ -21,8 +21,9 @@ in the parent, new random seeds, the same interpreter exit (atexit, thread joins
 
 What it cannot give is an environment variable read *at import*: the zygote imported
 TensorFlow with its own. A zygote is therefore keyed by every variable that a library
-may read at import (`TF_*` but `TF_CONFIG`, `KERAS*`, `XLA_*`, `CUDA*`, thread and
-allocator settings, `PYTHON*`, ...): a request whose values differ goes to another
+may read at import (`TF_*` but `TF_CONFIG`, `KERAS*` but keras_dist's own `KERAS_DIST_*`,
+`XLA_*`, `CUDA*`, thread and allocator settings, `PYTHON*`, ...): a request whose values
+differ goes to another
 zygote, started for them (at most `_MAX_ZYGOTES` live, least recently used stopped).
 Code that must run before TensorFlow is imported passes `preload=False` instead.
 
@@ -59,9 +60,11 @@ __all__ = ["ForkedProcess", "server_pids", "spawn", "stop_all"]
 _IMPORT_TIME_PREFIXES = ("TF_", "KERAS", "XLA_", "CUDA", "NVIDIA", "OMP_", "MKL", "KMP_",
                          "OPENBLAS", "PYTHON", "LD_", "JAX_", "TPU_", "GRPC_", "MALLOC_",
                          "JEMALLOC", "HOME", "TZ", "LANG", "LC_")
-# Read later, when the worker runs (per worker, set by the launcher).
-_READ_LATE = frozenset({"TF_CONFIG", "PYTHONPATH", "KERAS_DIST_RESTART", "KERAS_DIST_SLOT",
-                        "KERAS_DIST_UP_FILE"})
+# Read later, when the worker runs: set per worker by the launcher, or read by keras_dist,
+# which no zygote imports (a zygote per value of KERAS_DIST_DISABLE_COMPAT, say, would
+# cost a TensorFlow import each).
+_READ_LATE = frozenset({"TF_CONFIG", "PYTHONPATH"})
+_READ_LATE_PREFIXES = ("KERAS_DIST_",)
 # Third-party modules only: nothing of keras_dist (see above).
 _PRELOAD = ("numpy", "cloudpickle", "psutil", "tensorflow", "keras")
 _MAX_ZYGOTES = 4  # ~0.7 GB resident each (shared with the workers forked from it)
@@ -73,7 +76,12 @@ _MESSAGE_BYTES = 1 << 20
 def import_key(env) -> tuple:
     """The part of `env` that a zygote must have been started with to serve it."""
     return tuple(sorted((key, value) for key, value in env.items()
-                        if key.startswith(_IMPORT_TIME_PREFIXES) and key not in _READ_LATE))
+                        if _read_at_import(key)))
+
+
+def _read_at_import(key) -> bool:
+    return (key.startswith(_IMPORT_TIME_PREFIXES) and key not in _READ_LATE
+            and not key.startswith(_READ_LATE_PREFIXES))
 
 
 def _zygote_key(env) -> tuple:
@@ -130,8 +138,7 @@ class _Zygote:
     def __init__(self, import_env):
         self.directory = tempfile.mkdtemp(prefix="keras_dist_zygote_")
         self.path = os.path.join(self.directory, "socket")
-        env = {key: value for key, value in os.environ.items()
-               if not key.startswith(_IMPORT_TIME_PREFIXES) or key in _READ_LATE}
+        env = {key: value for key, value in os.environ.items() if not _read_at_import(key)}
         env.update(import_env)
         env.pop("TF_CONFIG", None)
         self.process = subprocess.Popen(
