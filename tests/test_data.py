@@ -101,6 +101,39 @@ def test_shuffle_is_reproducible_reshuffles_each_epoch_and_covers_once():
     assert epoch_1 != list(range(50))
 
 
+def _custom_loop_after_an_aborted_fit():
+    import keras
+
+    import keras_dist
+    from keras_dist.data import order
+
+    keras_dist.strategy()  # applies the compat fixes (input_epoch among them)
+    ids = np.arange(32, dtype="float32")
+    data = keras_dist.distribute_dataset((ids, ids), 8, seed=5)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise RuntimeError("boom")
+
+    try:
+        model.fit(data, epochs=5, initial_epoch=3, verbose=0, callbacks=[Boom()])
+    except RuntimeError as error:
+        raised = str(error)
+    return raised, order.fit_position(), [int(v) for x, _ in data for v in x.numpy()]
+
+
+@pytest.mark.multiworker
+def test_a_fit_that_raises_leaves_no_epoch_behind_for_a_custom_loop():
+    # An aborted fit never reaches on_train_end: a custom loop after it must count its
+    # own epochs, not read the aborted fit's epoch 3 (which a stale fit position gave).
+    raised, position, looped = run_in_subprocess(_custom_loop_after_an_aborted_fit)
+    assert raised == "boom"
+    assert position is None
+    assert looped != np.random.default_rng([5, 3]).permutation(32).tolist()
+
+
 def test_repeat_reshuffles_every_pass_deterministically():
     ids = np.arange(24)
 

@@ -10,7 +10,10 @@ keras_dist publishes fit's epoch to its inputs (`keras_dist/data/order.py`): Ker
 `CallbackList.on_epoch_begin` runs right before the epoch's iterator is made, so a
 `distribute_dataset` input reads the epoch Keras is in when its iterator starts. It also
 notes which input a fit trains on (the dataset of the epoch iterator made before the
-fit's callbacks start), so `BackupAndRestore` can record and check its order.
+fit's callbacks start), so `BackupAndRestore` can record and check its order. A fit
+that raises (a failing step or callback, Ctrl+C) never reaches `on_train_end`, so
+`Model.fit` itself clears the epoch when it returns or raises: otherwise a custom loop run
+after it would read the aborted fit's epoch order.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ def _callback_list():
     import keras
 
     return keras.callbacks.CallbackList
+
+
+def _model():
+    import keras
+
+    return keras.Model
 
 
 def probe(function=None) -> str:
@@ -69,6 +78,18 @@ def apply() -> None:
     _patch.patch(callbacks, "on_train_begin", patched_on_train_begin, fix=NAME)
     _patch.patch(callbacks, "on_epoch_begin", patched_on_epoch_begin, fix=NAME)
     _patch.patch(callbacks, "on_train_end", patched_on_train_end, fix=NAME)
+
+    model = _model()
+    fit = _patch.original(model, "fit")
+
+    @functools.wraps(fit)
+    def patched_fit(self, *args, **kwargs):
+        try:
+            return fit(self, *args, **kwargs)
+        finally:
+            order.fit_ended()
+
+    _patch.patch(model, "fit", patched_fit, fix=NAME)
 
     epoch_iterator = _internals._tf_epoch_iterator()
     if epoch_iterator is None:
