@@ -54,8 +54,8 @@ def test_a_slot_that_cannot_come_back_is_dropped_and_the_run_ends_exactly(tmp_pa
                                                                           reference):
     out, backup = tmp_path / "out", tmp_path / "backup"
     out.mkdir()
-    run = _launch(["--workers", "2", "--min-workers", "1", "--max-restarts", "3", SCRIPT,
-                   str(out), str(backup), "--gone-slot", "1"])
+    run = _launch(["--preload", "--workers", "2", "--min-workers", "1", "--max-restarts",
+                   "3", SCRIPT, str(out), str(backup), "--gone-slot", "1"])
     lines = [line for line in run.stdout.splitlines() if "dropped slot" in line]
     print("launcher:", *lines, sep="\n  ")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -93,6 +93,22 @@ class _BackupWatcher(threading.Thread):
             time.sleep(0.02)
 
 
+# Batches of the run still to train when the chaos monkey strikes, at least (150 ms each).
+MARGIN = 3
+
+
+def _progress(path, process):
+    """(batches trained in this attempt, batches of the run left) once the chief wrote
+    them (tests/workers/elastic_train.py); None when the launch ended first."""
+    while process.poll() is None:
+        try:
+            trained, left = path.read_text().split()
+            return int(trained), int(left)
+        except (OSError, ValueError):
+            time.sleep(0.02)
+    return None
+
+
 def _read(path):
     try:
         with open(path) as file:
@@ -111,23 +127,26 @@ def test_chaos_random_kills_end_with_the_uninterrupted_result(tmp_path, referenc
     kills, chaos = [], random.Random(int(os.environ.get("KERAS_DIST_CHAOS_SEED", "5")))
 
     def monkey():
-        # After each attempt's first trained batch, a random moment later, a random worker.
+        # Each attempt: a random worker, at a random batch that leaves at least MARGIN
+        # batches of the run to train, so that every kill lands in training (a kill
+        # timed by the clock could hit a worker that had already finished).
         while len(kills) < 3 and process.poll() is None:
             attempt = len(kills)  # every kill costs one restart
-            started = out / f"training-{attempt}"
-            while not started.exists() and process.poll() is None:
-                time.sleep(0.05)
-            time.sleep(chaos.uniform(0.2, 4.0))
+            progress = _progress(out / f"progress-{attempt}", process)
+            if progress is None:
+                return  # the run ended
+            target = progress[0] + chaos.randint(0, max(0, progress[1] - MARGIN))
+            while progress is not None and progress[0] < target:
+                progress = _progress(out / f"progress-{attempt}", process)
             victim = out / f"pid-{chaos.randrange(2)}-{attempt}"
-            try:
-                os.kill(int(victim.read_text()), signal.SIGKILL)
-            except (OSError, ValueError):
-                return  # the run already ended
-            kills.append(victim.name)
+            if progress is None or process.poll() is not None:
+                return
+            os.kill(int(victim.read_text()), signal.SIGKILL)
+            kills.append((victim.name, progress[1]))
 
     process = subprocess.Popen(
-        [sys.executable, "-m", "keras_dist", "launch", "--workers", "2", "--max-restarts",
-         "10", SCRIPT, str(out), str(backup), "--sleep-ms", "150"], cwd=REPO_ROOT,
+        [sys.executable, "-m", "keras_dist", "launch", "--preload", "--workers", "2",
+         "--max-restarts", "10", SCRIPT, str(out), str(backup), "--sleep-ms", "150"], cwd=REPO_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
             [os.path.join(REPO_ROOT, "tests"), os.environ.get("PYTHONPATH", "")])))
@@ -142,6 +161,7 @@ def test_chaos_random_kills_end_with_the_uninterrupted_result(tmp_path, referenc
           f"{watcher.checks} backup checks")
     assert process.returncode == 0, output[-4000:]
     assert len(kills) == 3 and restarts == 3, output[-4000:]
+    assert all(left >= MARGIN - 1 for _, left in kills), kills
     assert watcher.broken == [] and watcher.checks > 0
     diff = max_diff(_weights(out), reference)
     print(f"chaos: max |w - w_one_device| = {diff:.2e}")

@@ -2,9 +2,10 @@
 
 Usage: elastic_train.py OUT_DIR BACKUP_DIR [--gone-slot S] [--sleep-ms MS] [--epochs E]
 
-Every worker writes its pid to OUT_DIR/pid-<slot>-<attempt> when it starts; the chief
-creates OUT_DIR/training-<attempt> after its first trained batch and, after `fit`, writes
-the final weights to OUT_DIR/weights.npz and its worker count to OUT_DIR/workers.
+Every worker writes its pid to OUT_DIR/pid-<slot>-<attempt> when it starts; after each
+trained batch the chief replaces OUT_DIR/progress-<attempt> with "TRAINED LEFT" (batches
+trained in this attempt, batches of the whole run still to train) and, after `fit`,
+writes the final weights to OUT_DIR/weights.npz and its worker count to OUT_DIR/workers.
 
 --gone-slot S   the host of slot S is gone after the first attempt: on attempt 0 it
                 SIGKILLs itself after 22 trained batches (the backup is at batch 20);
@@ -13,6 +14,7 @@ the final weights to OUT_DIR/weights.npz and its worker count to OUT_DIR/workers
 """
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -45,13 +47,22 @@ import numpy as np  # noqa: E402
 import elastic_run  # noqa: E402
 
 
+TOTAL_BATCHES = math.ceil(elastic_run.NUM_EXAMPLES / elastic_run.GLOBAL_BATCH) * args.epochs
+
+
 class Events(keras.callbacks.Callback):
     trained = 0
 
     def on_train_batch_end(self, batch, logs=None):
+        if not logs:
+            return  # a batch skipped while resuming
         self.trained += 1
-        if self.trained == 1 and keras_dist.is_chief():
-            open(os.path.join(args.out_dir, f"training-{attempt}"), "w").close()
+        if keras_dist.is_chief():
+            left = TOTAL_BATCHES - int(self.model.optimizer.iterations.numpy())
+            path = os.path.join(args.out_dir, f"progress-{attempt}")
+            with open(path + ".tmp", "w") as file:
+                file.write(f"{self.trained} {left}")
+            os.replace(path + ".tmp", path)
         if self.trained == 22 and slot == args.gone_slot and attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
