@@ -90,7 +90,7 @@ def reference(tmp_path_factory):
     """Final weights of the uninterrupted run."""
     out_dir = str(tmp_path_factory.mktemp("reference"))
     result = launch([sys.executable, FT_TRAIN, out_dir, "--epochs", str(EPOCHS)], 2,
-                    timeout=240, stdout=io.StringIO())
+                    timeout=240, stdout=io.StringIO(), preload=True)
     assert result.returncode == 0, result.message
     weights = _weights(out_dir)
     assert max_diff(weights, _weights(out_dir, 1)) == 0.0  # workers in sync
@@ -147,7 +147,7 @@ def test_a_stuck_peer_is_an_error_with_a_collective_timeout(tmp_path):
 @pytest.mark.slow
 def test_crash_with_max_restarts_resumes_from_the_backup(tmp_path, reference):
     out_dir = str(tmp_path)
-    launcher = _cli("--workers", "2", "--max-restarts", "1", FT_TRAIN, out_dir,
+    launcher = _cli("--preload", "--workers", "2", "--max-restarts", "1", FT_TRAIN, out_dir,
                     "--epochs", str(EPOCHS), "--backup", str(tmp_path / "backup"),
                     "--crash", "1:2:0")
     try:
@@ -176,7 +176,7 @@ def _launch_in_thread(argv, timeout):
         # A long grace period: the assertion is about how the workers exit, not about
         # how fast a loaded machine shuts TensorFlow down.
         box["result"] = launch(argv, 2, timeout=timeout, stdout=box["output"],
-                               grace_period=60)
+                               grace_period=60, preload=True)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -207,7 +207,7 @@ def test_sigterm_to_one_worker_saves_on_all_and_a_restart_resumes(tmp_path, refe
     assert not os.path.exists(os.path.join(out_dir, "weights-0.npz"))  # fit did not finish
 
     # Started again (as a scheduler would), the group resumes mid-epoch 1.
-    result = launch(argv, 2, timeout=180, stdout=io.StringIO())
+    result = launch(argv, 2, timeout=180, stdout=io.StringIO(), preload=True)
     assert result.returncode == 0, result.message
     assert _epochs_log(out_dir) == [(0, 0), (0, 1), (0, 1), (0, 2), (0, 3)]
     difference = max_diff(_weights(out_dir), reference)

@@ -298,6 +298,19 @@ def test_cli_launch_passes_script_arguments_through(tmp_path):
 
 
 @pytest.mark.multiworker
+@pytest.mark.timeout(120)
+def test_cli_launch_preload_forks_workers_that_already_imported_tensorflow(tmp_path):
+    completed = _run_cli("launch", "--preload", "-n", "1", REPORT_ENV, str(tmp_path))
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    report = json.loads((tmp_path / "worker-0.json").read_text())
+    assert report["preloaded"] is True
+    assert report["env"]["KERAS_DIST_LAUNCHED"] == "1" and report["env"]["TF_CONFIG"]
+    # Without the flag, a fresh interpreter.
+    completed = _run_cli("launch", "-n", "1", REPORT_ENV, str(tmp_path))
+    assert json.loads((tmp_path / "worker-0.json").read_text())["preloaded"] is False
+
+
+@pytest.mark.multiworker
 @pytest.mark.timeout(90)
 def test_cli_launch_runs_a_module_with_dash_m(tmp_path):
     completed = _run_cli("launch", "-n", "2", "-m", "report_env", str(tmp_path), "--x",

@@ -92,7 +92,9 @@ def test_results_in_worker_order_closures_args_kwargs_and_env_reach_the_workers(
 @pytest.mark.timeout(60)
 @pytest.mark.slow
 def test_output_streams_into_sys_stdout_with_worker_prefixes(capsys):
-    notebook_launcher(lambda: print(f"step done on {task_index()}"), num_workers=2)
+    # Preloaded workers (forked, as keras_dist.testing's) print through the same pipe.
+    notebook_launcher(lambda: print(f"step done on {task_index()}"), num_workers=2,
+                      preload=True)
     out = capsys.readouterr().out
     assert "[worker 0] step done on 0" in out
     assert "[worker 1] step done on 1" in out
@@ -104,7 +106,7 @@ def test_output_streams_into_sys_stdout_with_worker_prefixes(capsys):
 def test_exception_in_a_worker_raises_worker_error_with_its_traceback():
     started = time.monotonic()
     with pytest.raises(WorkerError) as raised:
-        notebook_launcher(fail_on_worker_one, num_workers=2)
+        notebook_launcher(fail_on_worker_one, num_workers=2, preload=True)
     assert time.monotonic() - started < 30  # worker 0 was stopped, not waited for
     error = raised.value
     assert isinstance(error, RuntimeError)

@@ -10,7 +10,8 @@ script's docstring lists its changes). Every tutorial runs in three modes:
 * `one_device`: one process, one CPU device; the scripts' batch multiplier is 2, so its
   global batch equals the one of the two modes below: it is the numeric reference;
 * `two_devices`: one process with 2 virtual CPU devices (MirroredStrategy);
-* `two_workers`: `keras-dist launch --workers 2` (MultiWorkerMirroredStrategy).
+* `two_workers`: `launch_script(..., num_workers=2, preload=True)`, the launcher of
+  `keras-dist launch --workers 2 --preload` (MultiWorkerMirroredStrategy).
 
 The selected tutorials of a mode run in one process (one worker group), through
 tests/tutorials/run_tutorials.py. Per tutorial and mode the tests check: it ran; the
@@ -182,7 +183,7 @@ def _run_attempt(mode, attempt_dir, names, env, timeout):
     if mode == "two_workers":
         output = io.StringIO()
         result = launch_script(DRIVER, [attempt_dir, *names], num_workers=2, env=env,
-                               stdout=output, timeout=timeout)
+                               stdout=output, timeout=timeout, preload=True)
         return result.returncode == 0, f"{result.message}\n{output.getvalue()}"
     try:
         run_in_subprocess(_run_driver_here, args=(attempt_dir, names), env=env,

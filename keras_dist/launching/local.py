@@ -139,6 +139,7 @@ def launch(
     tee: bool = False,
     verbose: bool | None = None,
     min_workers: int | None = None,
+    preload: bool = False,
 ) -> LaunchResult:
     """Runs `num_workers` copies of `command` as one local multi-worker cluster.
 
@@ -173,6 +174,13 @@ def launch(
         tee: With `log_dir`, also write worker output to `stdout`.
         verbose: Keep TensorFlow's start-up logs and Keras' shuffle warning (`None`:
             `KERAS_DIST_TF_LOGS=1`).
+        preload: Fork each worker from a process that has already imported TensorFlow
+            and Keras (`keras_dist/launching/zygote.py`) instead of starting a fresh
+            interpreter: a worker, and every restart, starts in about a second instead of
+            the seconds of CPU a TensorFlow import costs. Only for `python script` and
+            `python -m module` of this interpreter (others start fresh). Everything
+            TensorFlow reads at import must come from the environment (`env`,
+            `os.environ`), not from the script before its `import tensorflow`.
 
     Returns:
         A `LaunchResult`; `result.returncode` is 0 when all workers succeeded.
@@ -194,6 +202,7 @@ def launch(
                              unit="seconds")
     _validation.check_bool("prefix", prefix)
     _validation.check_bool("tee", tee)
+    _validation.check_bool("preload", preload)
     if verbose is not None:
         _validation.check_bool("verbose", verbose)
     if log_dir is not None:
@@ -202,7 +211,7 @@ def launch(
         raise ValueError(_validation.message("tee", "False without `log_dir`", tee,
                                              "Pass log_dir=... to write log files"))
     options = Options(max_restarts, env, timeout, stdout, prefix, grace_period, log_dir,
-                      tee, verbose, min_workers=min_workers)
+                      tee, verbose, min_workers=min_workers, preload=preload)
     return run_group(command, num_workers, options)
 
 

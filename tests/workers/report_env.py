@@ -21,4 +21,6 @@ index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 print(f"hello from worker {index}")
 print(f"warning from worker {index}", file=sys.stderr)
 with open(os.path.join(out_dir, f"worker-{index}.json"), "w") as file:
-    json.dump({"argv": args, "env": {name: os.environ.get(name) for name in ENV_NAMES}}, file)
+    json.dump({"argv": args, "env": {name: os.environ.get(name) for name in ENV_NAMES},
+               # This script imports no TensorFlow: it is there only in a forked worker.
+               "preloaded": "tensorflow" in sys.modules}, file)
