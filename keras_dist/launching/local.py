@@ -174,13 +174,10 @@ def launch(
         tee: With `log_dir`, also write worker output to `stdout`.
         verbose: Keep TensorFlow's start-up logs and Keras' shuffle warning (`None`:
             `KERAS_DIST_TF_LOGS=1`).
-        preload: Fork each worker from a process that has already imported TensorFlow
-            and Keras (`keras_dist/launching/zygote.py`) instead of starting a fresh
-            interpreter: a worker, and every restart, starts in about a second instead of
-            the seconds of CPU a TensorFlow import costs. Only for `python script` and
-            `python -m module` of this interpreter (others start fresh). Everything
-            TensorFlow reads at import must come from the environment (`env`,
-            `os.environ`), not from the script before its `import tensorflow`.
+        preload: Fork each worker (and restart) of `python script` / `python -m module`
+            from a process that already imported TensorFlow and Keras (`launching/
+            zygote.py`): it starts in about a second, not a TensorFlow import's seconds.
+            What TensorFlow reads at import must then come from the environment.
 
     Returns:
         A `LaunchResult`; `result.returncode` is 0 when all workers succeeded.
@@ -197,6 +194,14 @@ def launch(
         >>> result.returncode
         0
     """
+    options = _checked_options(max_restarts, env, timeout, stdout, prefix, grace_period,
+                               log_dir, tee, verbose, min_workers, preload)
+    return run_group(command, num_workers, options)
+
+
+def _checked_options(max_restarts, env, timeout, stdout, prefix, grace_period, log_dir, tee,
+                     verbose, min_workers, preload) -> Options:
+    """`launch()`'s keyword arguments, checked (the rest are checked by `run_group`)."""
     _validation.check_int("max_restarts", max_restarts, minimum=0)
     _validation.check_number("grace_period", grace_period, minimum=0, exclusive=False,
                              unit="seconds")
@@ -210,9 +215,8 @@ def launch(
     elif tee:
         raise ValueError(_validation.message("tee", "False without `log_dir`", tee,
                                              "Pass log_dir=... to write log files"))
-    options = Options(max_restarts, env, timeout, stdout, prefix, grace_period, log_dir,
-                      tee, verbose, min_workers=min_workers, preload=preload)
-    return run_group(command, num_workers, options)
+    return Options(max_restarts, env, timeout, stdout, prefix, grace_period, log_dir, tee,
+                   verbose, min_workers=min_workers, preload=preload)
 
 
 def launch_script(
