@@ -103,6 +103,10 @@ def _train(config):
     first_attempt = config["kill"] and not os.path.exists(marker)
     strategy = keras_dist.strategy()
     index = keras_dist.worker_index()
+    # Every attempt's TensorFlow servers (the killed attempt's may still be listening,
+    # being stopped, when the restarted one measures).
+    with open(os.path.join(out, "tf_config.log"), "a") as f:
+        f.write(os.environ["TF_CONFIG"] + "\n")
     record = {
         "api": type(ray.train.get_context()).__module__,
         "strategy": type(strategy).__name__,
@@ -378,11 +382,20 @@ def _tensorflow_ports(worker):
     return {address.rsplit(":", 1)[1] for address in worker["tf_config"]["cluster"]["worker"]}
 
 
+def _every_attempts_tensorflow_ports(out):
+    lines = (out / "tf_config.log").read_text().splitlines()
+    return set().union(*(_tensorflow_ports({"tf_config": json.loads(line)})
+                         for line in lines))
+
+
 @pytest.mark.slow
 def test_ray_processes_listen_and_talk_on_loopback_only(v2_run, v1_run):
     workers = v2_run[2] + v1_run[2]
-    # TensorFlow's servers, of both runs: the xfail below; the rest is Ray's.
-    tf_ports = set().union(*map(_tensorflow_ports, workers))
+    # TensorFlow's servers, of both runs and all their attempts: the xfail below; the
+    # rest is Ray's.
+    tf_ports = (_every_attempts_tensorflow_ports(v2_run[0])
+                | _every_attempts_tensorflow_ports(v1_run[0]))
+    assert set().union(*map(_tensorflow_ports, workers)) <= tf_ports
     for worker in workers:
         # TensorFlow's collectives talk to the addresses in Ray's TF_CONFIG.
         assert all(address.startswith("127.0.0.1:")
