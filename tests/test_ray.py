@@ -53,11 +53,26 @@ def _api():
     return "v2" if TensorflowTrainer.__module__.startswith("ray.train.v2") else "v1"
 
 
+def _cmdline(process):
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
 def _listening(cluster_pid):
     """The LISTEN sockets of the Ray cluster's processes (the cluster owner's tree)."""
     import psutil
 
-    pids = {cluster_pid} | {child.pid for child in psutil.Process(cluster_pid).children(True)}
+    # The owner's Ray daemons and everything under them, not its other children: the
+    # session's worker pool and zygotes (keras_dist.testing) run TensorFlow servers of
+    # their own when Ray's tests share their pytest process.
+    ray_children = [child for child in psutil.Process(cluster_pid).children()
+                    if "zygote.py" not in " ".join(_cmdline(child))]
+    pids = {cluster_pid} | {process.pid for child in ray_children
+                            for process in [child, *child.children(True)]}
     lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
     return [line.split()[3] for line in lines.splitlines()
             if any(f"pid={pid}," in line for pid in pids)]
