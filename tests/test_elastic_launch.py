@@ -137,6 +137,7 @@ def test_chaos_random_kills_end_with_the_uninterrupted_result(tmp_path, referenc
                 return  # the run ended
             target = progress[0] + chaos.randint(0, max(0, progress[1] - MARGIN))
             while progress is not None and progress[0] < target:
+                time.sleep(0.02)
                 progress = _progress(out / f"progress-{attempt}", process)
             victim = out / f"pid-{chaos.randrange(2)}-{attempt}"
             if progress is None or process.poll() is not None:
@@ -146,7 +147,8 @@ def test_chaos_random_kills_end_with_the_uninterrupted_result(tmp_path, referenc
 
     process = subprocess.Popen(
         [sys.executable, "-m", "keras_dist", "launch", "--preload", "--workers", "2",
-         "--max-restarts", "10", SCRIPT, str(out), str(backup), "--sleep-ms", "150"], cwd=REPO_ROOT,
+         "--max-restarts", "10", SCRIPT, str(out), str(backup), "--sleep-ms", "150"],
+        cwd=REPO_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
             [os.path.join(REPO_ROOT, "tests"), os.environ.get("PYTHONPATH", "")])))

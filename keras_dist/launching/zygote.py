@@ -23,8 +23,8 @@ What it cannot give is an environment variable read *at import*: the zygote impo
 TensorFlow with its own. A zygote is therefore keyed by every variable that a library
 may read at import (`TF_*` but `TF_CONFIG`, `KERAS*` but keras_dist's own `KERAS_DIST_*`,
 `XLA_*`, `CUDA*`, thread and allocator settings, `PYTHON*`, ...): a request whose values
-differ goes to another
-zygote, started for them (at most `_MAX_ZYGOTES` live, least recently used stopped).
+differ goes to another zygote, started for them (at most `_MAX_ZYGOTES` live, least
+recently used stopped).
 Code that must run before TensorFlow is imported passes `preload=False` instead.
 
 Each worker slot of a group has a zygote of its own, so the workers of one group differ
