@@ -314,15 +314,18 @@ def test_missing_tools_and_privileges_give_clear_errors(monkeypatch, tmp_path):
 def test_run_in_link_leaves_no_process_behind():
     # A launched worker runs in its own session (setsid), out of reach of the link
     # process's group; a stray one (e.g. stuck in a collective) must still not outlive
-    # the call. The stray here sleeps; its pid comes back for the check.
+    # the call. The stray here sleeps; its pid comes back for the check. Its command line
+    # carries a mark of this test: other tests' workers leave sleepers of their own.
     link = planning.Link.parse(None)
     _simulator_or_skip(link)
+    mark = f"run_in_link stray {os.getpid()} {time.monotonic_ns()}"
 
     def leave_a_stray(seconds):
         import subprocess
         import sys
 
-        stray = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"],
+        stray = subprocess.Popen([sys.executable, "-c",
+                                  f"import time; time.sleep({seconds})  # {mark}"],
                                  start_new_session=True)
         return stray.pid
 
@@ -348,7 +351,7 @@ def test_run_in_link_leaves_no_process_behind():
     with pytest.raises(TimeoutError, match="did not finish within 3 s"):
         planning.run_in_link(hang, link, kwargs={"seconds": 120}, timeout=3)
     leftover = [entry for entry in os.listdir("/proc") if entry.isdigit()
-                and _cmdline(entry).endswith("time.sleep(120)")]
+                and _cmdline(entry).endswith(mark)]
     assert leftover == []
 
 

@@ -241,17 +241,34 @@ def _kill_namespace(namespace: str | None, process) -> None:
         os.killpg(process.pid, 9)
     except OSError:
         pass
+    killed = []
     if namespace is not None and namespace != _net_namespace("self"):
         for entry in os.listdir("/proc"):
             if entry.isdigit() and _net_namespace(entry) == namespace:
                 try:
                     os.kill(int(entry), 9)
+                    killed.append(entry)
                 except OSError:
                     pass
     try:
         process.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+    # SIGKILL is delivered asynchronously: wait until each process has exited (gone or a
+    # zombie left to its new parent), so none of them is still running when we return.
+    deadline = time.monotonic() + 10
+    while killed and time.monotonic() < deadline:
+        killed = [pid for pid in killed if _running(pid)]
+        if killed:
+            time.sleep(0.02)
+
+
+def _running(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as file:
+            return file.read().rsplit(") ", 1)[1][:1] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _ring_transfer(workers: int, nbytes: int) -> float:
