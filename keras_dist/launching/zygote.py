@@ -54,7 +54,7 @@ import tempfile
 import threading
 import time
 
-__all__ = ["ForkedProcess", "server_pids", "spawn", "stop_all"]
+__all__ = ["ForkedProcess", "running", "server_pids", "spawn", "stop_all"]
 
 # Prefixes of environment variables that a library may read when it is imported.
 _IMPORT_TIME_PREFIXES = ("TF_", "KERAS", "XLA_", "CUDA", "NVIDIA", "OMP_", "MKL", "KMP_",
@@ -256,14 +256,15 @@ class ForkedProcess:
                     self.returncode = int(message[5:])
                     return self.returncode
                 seconds = 0.0  # the zygote died without saying: watch the pid itself
-            if _running(self.pid):
+            if running(self.pid):
                 time.sleep(seconds)
             else:
                 self.returncode = 255  # its status went to the zygote's parent: unknown
             return self.returncode
 
 
-def _running(pid) -> bool:
+def running(pid) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has exited)."""
     import psutil
 
     try:

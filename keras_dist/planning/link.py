@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from keras_dist.launching import zygote
 from keras_dist.planning.model import format_rate, parse_duration, parse_rate
 
 __all__ = ["Link", "LinkSimulatorError", "check_support", "measure_link", "run_in_link"]
@@ -247,7 +248,7 @@ def _kill_namespace(namespace: str | None, process) -> None:
             if entry.isdigit() and _net_namespace(entry) == namespace:
                 try:
                     os.kill(int(entry), 9)
-                    killed.append(entry)
+                    killed.append(int(entry))
                 except OSError:
                     pass
     try:
@@ -258,17 +259,9 @@ def _kill_namespace(namespace: str | None, process) -> None:
     # zombie left to its new parent), so none of them is still running when we return.
     deadline = time.monotonic() + 10
     while killed and time.monotonic() < deadline:
-        killed = [pid for pid in killed if _running(pid)]
+        killed = [pid for pid in killed if zygote.running(pid)]
         if killed:
             time.sleep(0.02)
-
-
-def _running(pid: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as file:
-            return file.read().rsplit(") ", 1)[1][:1] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def _ring_transfer(workers: int, nbytes: int) -> float:
