@@ -56,6 +56,12 @@ from keras_dist.startup import early_init as _early_init  # noqa: E402
 
 _early_init.configure_collectives_at_import()
 
+# `keras.distribution` on the TensorFlow backend (Keras ships only a prototype): applied
+# once Keras is imported, now or later; TensorFlow is not imported here.
+from keras_dist.startup import keras_hook as _keras_hook  # noqa: E402
+
+_keras_hook.install()
+
 __version__ = "0.1.0"
 
 

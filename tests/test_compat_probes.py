@@ -162,7 +162,7 @@ def test_apply_installs_fixes_and_revert_restores_upstream(clean_compat):
     trainer = _keras_tf.trainer_class()
     upstream = trainer.__dict__["_maybe_symbolic_build"]
     applied = compat.apply()
-    assert set(applied) == set(CASES)
+    assert set(applied) == set(CASES) | {"keras_distribution_on_tensorflow"}
     assert trainer.__dict__["_maybe_symbolic_build"] is not upstream
     # The probe reads upstream's code, not keras_dist's wrapper.
     assert _fix("symbolic_build_multi_worker").probe() == compat.PRESENT
@@ -278,3 +278,20 @@ def test_a_changed_startup_internal_is_named_at_import_under_a_multi_worker_job(
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tf.context.configure_collective_ops" in done.stdout, done.stdout
     assert registry.problems(groups=["startup"]) == {}
+
+
+def test_keras_distribution_probe_finds_keras_tf_prototype_and_steps_aside_for_a_real_one():
+    import types
+
+    from keras_dist.compat import keras_distribution
+
+    fix = _fix("keras_distribution_on_tensorflow")
+    assert fix.probe() == compat.PRESENT  # the installed Keras's TF distribution_lib
+    complete = types.ModuleType("distribution_lib", "Keras's TF distribution_lib, shipped.")
+    for name in keras_distribution._BACKEND_FUNCTIONS:
+        setattr(complete, name, lambda *args, **kwargs: None)
+    assert keras_distribution.probe(complete) == compat.FIXED
+    complete.__doc__ = "!!!DO NOT USE!!! a prototype"
+    assert keras_distribution.probe(complete) == compat.PRESENT
+    del complete.__doc__, complete.distribute_data_input
+    assert keras_distribution.probe(complete) == compat.PRESENT

@@ -30,8 +30,8 @@ import threading
 import warnings
 
 from keras_dist.compat import (
-    _patch, _probe, build_without_call, input_epoch, loss_scale, optimizer_options,
-    reduce_per_replica, registry, step_loss_scale, symbolic_build, writers,
+    _patch, _probe, build_without_call, input_epoch, keras_distribution, loss_scale,
+    optimizer_options, reduce_per_replica, registry, step_loss_scale, symbolic_build, writers,
 )
 from keras_dist.compat._fix import Fix
 from keras_dist.compat._keras_tf import keras_version
@@ -46,7 +46,7 @@ __all__ = [
 FIXES: tuple[Fix, ...] = (
     symbolic_build.FIX, build_without_call.FIX, reduce_per_replica.FIX,
     step_loss_scale.FIX, loss_scale.FIX, optimizer_options.CLIP_FIX,
-    optimizer_options.CONDS_FIX, writers.FIX, input_epoch.FIX,
+    optimizer_options.CONDS_FIX, writers.FIX, input_epoch.FIX, keras_distribution.FIX,
 )
 
 _lock = threading.Lock()
@@ -84,12 +84,15 @@ def _versions() -> str:
     return versions()
 
 
-def apply() -> list[str]:
-    """Applies, once, every fix whose bug this Keras/TF has. Returns the names applied."""
+def apply(names=None) -> list[str]:
+    """Applies, once, every fix whose bug this Keras/TF has (or those `names`).
+
+    Returns the names applied so far.
+    """
     with _lock:
         disabled = _disabled()
         for fix in FIXES:
-            if fix.name in _applied:
+            if fix.name in _applied or names is not None and fix.name not in names:
                 continue
             if "all" in disabled or fix.name in disabled:
                 _applied[fix.name] = False

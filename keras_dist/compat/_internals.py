@@ -286,3 +286,65 @@ def _tf_epoch_iterator():
     """The TF trainer's `TFEpochIterator` (None off the TensorFlow backend)."""
     module = _keras_tf.trainer_module()
     return getattr(module, "TFEpochIterator", None) if module is not None else None
+
+
+# keras.distribution on TensorFlow (the keras_distribution_on_tensorflow fix).
+def _tf_distribution_lib():
+    return _keras_module("keras.src.backend.tensorflow.distribution_lib")()
+
+
+def _tf_core_variable():
+    return _keras_module("keras.src.backend.tensorflow.core")().Variable
+
+
+def _keras_layer():
+    return _keras_module("keras.src.layers.layer")().Layer
+
+
+def _d_variable():
+    return _keras_module("tensorflow.dtensor.python.d_variable")().DVariable
+
+
+_DISTRIBUTION_INTERNALS = (
+    Internal(
+        "keras.tensorflow.distribution_lib",
+        "Its device, mesh and layout functions are replaced by keras_dist.distribution's "
+        "(Keras's are a prototype); keras.distribution calls them through this module.",
+        ("distribution",), "the module imports and `keras.distribution` still calls "
+        "`distribution_lib._to_backend_mesh`",
+        _all(_attribute(_tf_distribution_lib, "_to_backend_mesh"),
+             _code_mentions(lambda: _keras_module(
+                 "keras.src.distribution.distribution_lib")().DeviceMesh, "backend_mesh",
+                 r"distribution_lib\._to_backend_mesh\("))),
+    Internal(
+        "keras.tensorflow.Variable",
+        "`_initialize` stores a variable created under a distribution as a DTensor "
+        "DVariable with its layout; `numpy` and `__array__` return its whole value "
+        "(saving writes full values).",
+        ("distribution",), "attribute lookups on the TF backend's Variable class",
+        _all(_attribute(_tf_core_variable, "_initialize"),
+             _attribute(_tf_core_variable, "numpy"),
+             _attribute(_tf_core_variable, "__array__"))),
+    Internal(
+        "keras.TFTrainer._make_function",
+        "A model whose variables live on a mesh runs each fit/evaluate step on it.",
+        ("distribution",), "attribute lookup on the TF trainer class",
+        _attribute(_TRAINER, "_make_function")),
+    Internal(
+        "keras.TFTrainer.make_predict_function",
+        "A model whose variables live on a mesh runs each predict step on it.",
+        ("distribution",), "attribute lookup on the TF trainer class",
+        _attribute(_TRAINER, "make_predict_function")),
+    Internal(
+        "keras.Layer.__call__",
+        "An eager call of a model on a mesh places host inputs on the mesh.",
+        ("distribution",), "attribute lookup on keras.layers.Layer",
+        _attribute(_keras_layer, "__call__")),
+    Internal(
+        "tf.dtensor.DVariable",
+        "Its assign/assign_add/assign_sub/_read_variable_op forward a value written in a "
+        "traced step to the later reads (DTensor drops that order).",
+        ("distribution",), "attribute lookups on tensorflow.dtensor.python.d_variable",
+        _all(*(_attribute(_d_variable, name) for name in (
+            "assign", "assign_add", "assign_sub", "_read_variable_op")))),
+)

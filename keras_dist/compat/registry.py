@@ -32,6 +32,7 @@ from keras_dist.compat._internals import (  # noqa: F401 (Internal: re-exported)
     _TF_OPTIMIZER,
     _WRITER_INTERNALS,
     _STARTUP_INTERNALS,
+    _DISTRIBUTION_INTERNALS,
 )
 
 
@@ -220,6 +221,7 @@ INTERNALS: tuple[Internal, ...] = (
         _tf_data_classes),
     *_WRITER_INTERNALS,
     *_STARTUP_INTERNALS,
+    *_DISTRIBUTION_INTERNALS,
 )
 
 _BY_NAME = {internal.name: internal for internal in INTERNALS}

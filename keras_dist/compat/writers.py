@@ -21,11 +21,18 @@ import os
 import re
 import sys
 
-from keras_dist.checkpointing import stock_writers as _writers
 from keras_dist.compat import _patch, _probe
 from keras_dist.compat._fix import Fix
 
 NAME = "stock_writers_multi_worker"
+
+
+def _writers():
+    """keras_dist.checkpointing.stock_writers (imported on use: it imports Keras, and this
+    package is imported when Keras is, by `keras_dist.startup.keras_hook`)."""
+    from keras_dist.checkpointing import stock_writers
+
+    return stock_writers
 
 
 def _is_chief() -> bool:
@@ -117,7 +124,7 @@ def _patch_model() -> None:
         path = _path_or_none(filepath)
         if path is None or (not overwrite and os.path.exists(path)):
             return save(self, filepath, overwrite, zipped, **kwargs)
-        return _writers.write(
+        return _writers().write(
             path, lambda target: save(self, target, True, zipped, **kwargs))
 
     @functools.wraps(save_weights)
@@ -125,7 +132,7 @@ def _patch_model() -> None:
         path = _path_or_none(filepath)
         if path is None or (not overwrite and os.path.exists(path)):
             return save_weights(self, filepath, overwrite, max_shard_size)
-        return _writers.write(
+        return _writers().write(
             path, lambda target: save_weights(self, target, True, max_shard_size),
             in_place=max_shard_size is not None)  # shards: several files
 
@@ -142,7 +149,7 @@ def _map_localhost_io_device(kwargs) -> None:
     """
     options = kwargs.get("options")
     device = getattr(options, "experimental_io_device", None)
-    if not device or not _writers.active() or not device.startswith("/job:localhost"):
+    if not device or not _writers().active() or not device.startswith("/job:localhost"):
         return
     import copy
 
@@ -167,7 +174,7 @@ def _patch_tensorflow() -> None:
         path = _path_or_none(export_dir)
         if path is None:
             return saved_model_save(obj, export_dir, *args, **kwargs)
-        return _writers.write(path, lambda target: saved_model_save(obj, target, *args,
+        return _writers().write(path, lambda target: saved_model_save(obj, target, *args,
                                                                      **kwargs))
 
     checkpoint = _checkpoint_class()
@@ -181,7 +188,7 @@ def _patch_tensorflow() -> None:
             return write(self, file_prefix, options)
         # TensorFlow's saver writes shards aside and the index last; the chief writes
         # the prefix itself so `save`'s "checkpoint" state file names the real path.
-        return _writers.write(path, lambda target: write(self, target, options),
+        return _writers().write(path, lambda target: write(self, target, options),
                               in_place=True, returns_path=True)
 
     @functools.wraps(saved_model_load)
@@ -202,7 +209,7 @@ def _patch_makedirs() -> None:
     @functools.wraps(makedirs)
     def patched_makedirs(path):
         # Keras checks `exists` then creates: two workers both pass the check.
-        if _writers.active() and not file_utils.is_remote_path(path):
+        if _writers().active() and not file_utils.is_remote_path(path):
             return os.makedirs(path, exist_ok=True)
         return makedirs(path)
 
@@ -225,11 +232,11 @@ def _patch_backup_and_restore() -> None:
             os.makedirs(target, exist_ok=True)
             return self.model.save_weights(os.path.join(target, "latest.weights.h5"))
 
-        return _writers.write(self.backup_dir, save_to, in_place=True)
+        return _writers().write(self.backup_dir, save_to, in_place=True)
 
     @functools.wraps(train_end)
     def patched_on_train_end(self, logs=None):
-        if _writers.active() and not _is_chief():
+        if _writers().active() and not _is_chief():
             return None  # the chief deletes the shared backup
         return train_end(self, logs)
 
@@ -244,9 +251,9 @@ def _redirect_callback(cls, attribute: str, begin_hook: str, kind: str) -> None:
     @functools.wraps(begin)
     def patched_begin(self, *args, **kwargs):
         real = getattr(self, attribute)
-        if not _writers.active() or _is_chief() or _writers.is_private(str(real)):
+        if not _writers().active() or _is_chief() or _writers().is_private(str(real)):
             return begin(self, *args, **kwargs)
-        private = self.__dict__.get("_keras_dist_private") or _writers.PrivateOutput(kind)
+        private = self.__dict__.get("_keras_dist_private") or _writers().PrivateOutput(kind)
         self._keras_dist_private = private
         setattr(self, attribute, private.path_for(str(real)))
         try:

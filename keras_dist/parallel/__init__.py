@@ -7,6 +7,7 @@ package does not initialise the TensorFlow runtime.
 """
 
 from keras_dist.parallel.pipeline import PipelineModel, split_sequential
+from keras_dist.distribution.variables import shards
 from keras_dist.parallel.sharded import ShardedDense, ShardedEmbedding
 
-__all__ = ["PipelineModel", "split_sequential", "ShardedDense", "ShardedEmbedding"]
+__all__ = ["PipelineModel", "split_sequential", "ShardedDense", "ShardedEmbedding", "shards"]

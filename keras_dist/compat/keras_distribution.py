@@ -1,0 +1,265 @@
+"""Fix: Keras's `keras.distribution` has no TensorFlow backend; keras_dist provides it.
+
+keras-team/keras#18473. `keras.distribution` (DeviceMesh, LayoutMap, DataParallel,
+ModelParallel) runs on JAX; Keras's TensorFlow `distribution_lib` is a prototype ("DO
+NOT USE") without `distribute_data_input`, `num_processes` or variable placement, so on
+TensorFlow a distribution is silently ignored or fails. `apply()` plugs in
+`keras_dist.distribution` (on `tf.experimental.dtensor`; why: docs/
+keras_distribution_engine.md): its device/mesh/layout functions replace the prototype's,
+Keras TF variables created under a distribution are stored as DTensor `DVariable`s with
+their layout, and `fit`/`evaluate`/`predict` of such a model run each step on the mesh.
+
+Two DTensor defects are contained here (both silent, both measured on 4 virtual CPUs):
+
+* **Read after write.** In a traced function, DTensor does not keep a variable's read
+  after its write in order (Keras's `train_step` with Adam and a compiled "mae" metric
+  left the weights unchanged, depending on the model's *name*). Every `DVariable.assign*`
+  in a traced function computes the new value and forwards it to the variable's later
+  reads in the same function: a data dependency instead of an ordering DTensor drops.
+* **Contracting dimension sharded twice.** A weight sharded along the batch axis (FSDP,
+  keras-hub's layouts) is read with that axis gathered; DTensor's matmul expander
+  refuses a contracting dimension sharded on the batch axis on one side and another
+  axis on the other.
+
+The probe reads Keras's TensorFlow `distribution_lib`: once it has the functions
+`keras.distribution` calls on JAX, keras_dist steps aside (the fix is not applied, and
+`keras_dist.compat.applied()` says so).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from keras_dist.compat import _internals, _patch, _probe
+from keras_dist.compat._fix import Fix
+
+NAME = "keras_distribution_on_tensorflow"
+# What keras.distribution calls on a backend (JAX's distribution_lib has each).
+_BACKEND_FUNCTIONS = ("list_devices", "get_device_count", "initialize", "num_processes",
+                      "process_id", "distribute_tensor", "distribute_data_input",
+                      "_to_backend_mesh", "_to_backend_layout")
+_PROTOTYPE_MARK = "DO NOT USE"
+
+
+def _distribution_lib():
+    if not _internals._keras_tf.uses_tensorflow_backend():
+        return None
+    from keras.src.backend.tensorflow import distribution_lib
+
+    return distribution_lib
+
+
+def probe(module=None) -> str:
+    """PRESENT while Keras's TF `distribution_lib` lacks what `keras.distribution` calls.
+
+    Static: reads the module (its functions and docstring); runs no TensorFlow op.
+    """
+    module = module if module is not None else _distribution_lib()
+    if module is None:
+        return _probe.FIXED  # another backend: nothing to provide
+    missing = [name for name in _BACKEND_FUNCTIONS
+               if _patch.original(module, name) is None]
+    if missing or _PROTOTYPE_MARK in (module.__doc__ or ""):
+        return _probe.PRESENT
+    return _probe.FIXED
+
+
+def _written() -> dict:
+    """Per graph being traced: id(DVariable) -> (variable, the value last assigned to it)."""
+    from tensorflow.python.framework import ops
+
+    graph = ops.get_default_graph()
+    if not hasattr(graph, "_keras_dist_written"):
+        graph._keras_dist_written = {}
+    return graph._keras_dist_written
+
+
+def _assigning(kind: str, assign):
+    """`DVariable.assign*` that lays the value out as the variable (a regular tensor, e.g.
+    a loaded weight, is placed on the mesh first) and, in a traced function, computes the
+    new value itself and forwards it to later reads of the variable."""
+
+    @functools.wraps(assign)
+    def wrapper(self, value, use_locking=None, name=None, read_value=True):
+        import tensorflow as tf
+        from tensorflow.experimental import dtensor
+
+        from keras_dist.distribution import backend
+
+        value = tf.cast(value, self.dtype)
+        if tf.executing_eagerly():
+            value = backend.distribute_tensor(value, self.layout)
+            return assign(self, value, use_locking=use_locking, name=name,
+                          read_value=read_value)
+        value = dtensor.relayout(value, self.layout)
+        if kind != "assign":
+            current = self._read_variable_op()
+            value = dtensor.relayout(
+                current + value if kind == "assign_add" else current - value, self.layout)
+        operation = _patch.original(type(self), "assign")(
+            self, value, use_locking=use_locking, name=name, read_value=False)
+        _written()[id(self)] = (self, value)
+        return value if read_value else operation
+
+    return wrapper
+
+
+def _forwarding_read(read):
+    @functools.wraps(read)
+    def wrapper(self, no_copy=False):
+        import tensorflow as tf
+        from tensorflow.experimental import dtensor
+
+        value = None
+        if not tf.executing_eagerly():
+            entry = _written().get(id(self))
+            if entry is not None and entry[0] is self:
+                value = tf.identity(entry[1])
+        if value is None:
+            value = read(self, no_copy=no_copy)
+        compute = getattr(self, "_keras_dist_compute_layout", None)
+        return value if compute is None else dtensor.relayout(value, compute)
+
+    return wrapper
+
+
+def _initializing(initialize):
+    @functools.wraps(initialize)
+    def wrapper(self, value):
+        import tensorflow as tf
+        from keras.src.distribution import distribution_lib
+
+        from keras_dist.distribution import variables
+
+        distribution = distribution_lib.distribution()
+        if distribution is None or isinstance(value, tf.Variable):
+            return initialize(self, value)
+        return variables.initialize(self, value, distribution)
+
+    return wrapper
+
+
+def _making_function(make):
+    @functools.wraps(make)
+    def wrapper(self, step_function):
+        from keras_dist.distribution import training
+
+        distribution = training.distribution_of(self)
+        if distribution is None:
+            return make(self, step_function)
+        return training.make_function(self, step_function, distribution)
+
+    return wrapper
+
+
+def _making_predict_function(make):
+    @functools.wraps(make)
+    def wrapper(self, force=False):
+        from keras_dist.distribution import training
+
+        distribution = training.distribution_of(self)
+        if distribution is None:
+            return make(self, force)
+        if self.predict_function is None or force:
+            self.predict_function = training.make_predict_function(self, distribution)
+        return self.predict_function
+
+    return wrapper
+
+
+def _calling(call):
+    """`Layer.__call__`: an eager call of a model on the mesh with host inputs places them."""
+
+    @functools.wraps(call)
+    def wrapper(self, *args, **kwargs):
+        from keras_dist.distribution import training
+
+        if training.eager_call_needs_mesh(self, args, kwargs):
+            return training.call_on_mesh(call, self, args, kwargs)
+        return call(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _numpy(numpy):
+    @functools.wraps(numpy)
+    def wrapper(self):
+        from keras_dist.distribution import variables
+
+        if getattr(self, "_keras_dist_distribution", None) is not None:
+            return variables.full_value(self._value)
+        return numpy(self)
+
+    return wrapper
+
+
+def _array(array):
+    @functools.wraps(array)
+    def wrapper(self, dtype=None, **kwargs):
+        import numpy as np
+
+        from keras_dist.distribution import variables
+
+        if getattr(self, "_keras_dist_distribution", None) is not None:
+            return np.asarray(variables.full_value(self._value), dtype=dtype)
+        return array(self, dtype, **kwargs)
+
+    return wrapper
+
+
+def _d_variable():
+    from tensorflow.dtensor.python import d_variable
+
+    return d_variable.DVariable
+
+
+def _tf_core_variable():
+    from keras.src.backend.tensorflow import core
+
+    return core.Variable
+
+
+def _layer():
+    from keras.src.layers.layer import Layer
+
+    return Layer
+
+
+def apply() -> None:
+    from keras_dist.distribution import backend
+
+    module = _distribution_lib()
+    for name in _BACKEND_FUNCTIONS:
+        _patch.patch(module, name, getattr(backend, name), fix=NAME)
+    d_variable = _d_variable()
+    for name in ("assign", "assign_add", "assign_sub"):
+        _patch.patch(d_variable, name, _assigning(name, _patch.original(d_variable, name)),
+                     fix=NAME)
+    _patch.patch(d_variable, "_read_variable_op",
+                 _forwarding_read(_patch.original(d_variable, "_read_variable_op")), fix=NAME)
+    trainer = _internals._TRAINER()
+    _patch.patch(trainer, "_make_function",
+                 _making_function(_patch.original(trainer, "_make_function")), fix=NAME)
+    _patch.patch(trainer, "make_predict_function", _making_predict_function(
+        _patch.original(trainer, "make_predict_function")), fix=NAME)
+    variable = _tf_core_variable()
+    _patch.patch(variable, "numpy", _numpy(_patch.original(variable, "numpy")), fix=NAME)
+    _patch.patch(variable, "__array__", _array(_patch.original(variable, "__array__")),
+                 fix=NAME)
+    _patch.patch(variable, "_initialize",
+                 _initializing(_patch.original(variable, "_initialize")), fix=NAME)
+    layer = _layer()
+    _patch.patch(layer, "__call__", _calling(_patch.original(layer, "__call__")), fix=NAME)
+
+
+FIX = Fix(
+    name=NAME,
+    upstream="keras-team/keras#18473",
+    summary="keras.distribution (DataParallel, ModelParallel, LayoutMap) on the TensorFlow "
+    "backend, on DTensor: variables stored with their layout, steps run on the mesh.",
+    symbols=("keras.tensorflow.distribution_lib", "keras.tensorflow.Variable",
+             "keras.TFTrainer._make_function", "keras.TFTrainer.make_predict_function",
+             "keras.Layer.__call__", "tf.dtensor.DVariable"),
+    probe=probe,
+    apply=apply,
+)

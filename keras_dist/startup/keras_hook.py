@@ -1,0 +1,67 @@
+"""`import keras_dist` makes `keras.distribution` work on TensorFlow, before or after Keras.
+
+The `keras_distribution_on_tensorflow` fix patches Keras's TensorFlow backend, which
+exists only once Keras is imported (and importing Keras imports TensorFlow, which
+`import keras_dist` must not do: `keras_dist.virtual_devices(n)` may still come first).
+So `install()` applies the fix at once when Keras is already imported, and otherwise
+leaves a one-shot import hook that applies it right after `import keras` finishes. On
+another Keras backend nothing happens; `KERAS_DIST_DISABLE_COMPAT` is honoured.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import warnings
+
+
+def _apply() -> None:
+    from keras_dist import compat
+    from keras_dist.compat import _keras_tf, keras_distribution
+
+    try:
+        if _keras_tf.uses_tensorflow_backend():
+            compat.apply(names=(keras_distribution.NAME,))
+    except Exception as error:  # never break `import keras`; say what is off instead
+        warnings.warn(
+            f"keras_dist could not install keras.distribution for TensorFlow "
+            f"({type(error).__name__}: {error}); keras.distribution is Keras's own "
+            "(TensorFlow prototype) in this process.", RuntimeWarning, stacklevel=2)
+
+
+class _AfterKeras(importlib.abc.MetaPathFinder):
+    """Finds `keras` with the other finders and runs `_apply()` once it is executed."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "keras":
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then_apply(module):
+            exec_module(module)
+            if self in sys.meta_path:  # once (a bare find_spec, as TensorFlow's, is no import)
+                sys.meta_path.remove(self)
+            _apply()
+
+        loader.exec_module = exec_then_apply
+        return spec
+
+
+def install() -> None:
+    """Applies the fix now if Keras is imported, else right after it is."""
+    if "keras" in sys.modules:
+        _apply()
+    elif not any(isinstance(finder, _AfterKeras) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterKeras())

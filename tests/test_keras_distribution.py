@@ -1,0 +1,304 @@
+"""`keras.distribution` on the TensorFlow backend (keras_dist.distribution, on DTensor).
+
+User code written for `keras.distribution` runs unchanged after `import keras_dist`; each
+scenario is checked against the same model trained on one device with the same global
+batch. The scenarios of a group run in one process (4 virtual CPUs, forked from the
+preloaded server), and each test asserts one of them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from keras_dist.testing import run_in_subprocess
+
+pytestmark = pytest.mark.multiworker
+
+
+def _max(a, b) -> float:
+    return float(max(np.abs(np.asarray(x) - np.asarray(y)).max() for x, y in zip(a, b)))
+
+
+def _core_scenarios(tmp):
+    import os
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from keras import distribution as kd
+
+    import keras_dist
+    from keras_dist import compat
+
+    out = {"applied": compat.applied().get("keras_distribution_on_tensorflow"),
+           "devices": kd.list_devices(), "count": kd.get_device_count()}
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    y = rng.normal(size=(64, 8)).astype("float32")
+
+    def build():
+        # keras.Sequential's default name, Adam and a compiled metric: the case in which
+        # DTensor's dropped read-after-write order left every weight unchanged.
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((16,)),
+                                  keras.layers.Dense(32, activation="relu", name="up"),
+                                  keras.layers.Dense(8, name="down")])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+        return model
+
+    def run(model):
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return {"history": history.history,
+                "evaluate": model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True),
+                "predict": model.predict(x, batch_size=16, verbose=0),
+                "call": np.asarray(model(x[:6])),
+                "weights": model.get_weights()}
+
+    reference = build()
+    out["one_device"] = run(reference)
+
+    def mesh_2x2():
+        mesh = kd.DeviceMesh((2, 2), ["batch", "model"], kd.list_devices())
+        layout_map = kd.LayoutMap(mesh)
+        layout_map[".*up/kernel"] = (None, "model")
+        layout_map[".*up/bias"] = ("model",)
+        layout_map[".*down/kernel"] = ("model", None)
+        return kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+    distributions = {"dp2": lambda: kd.DataParallel(devices=kd.list_devices()[:2]),
+                     "dp4": lambda: kd.DataParallel(devices=kd.list_devices()),
+                     "mp22": mesh_2x2}
+    models = {}
+    for name, make in distributions.items():
+        kd.set_distribution(make())
+        try:
+            models[name] = model = build()
+            out[name] = run(model)
+        finally:
+            kd.set_distribution(None)
+        out[name]["kernel_shards"] = [
+            (device, value.shape) for device, value in keras_dist.parallel.shards(
+                model.get_layer("up").kernel)]
+        out[name]["slot_shards"] = {
+            variable.path: [value.shape for _, value in keras_dist.parallel.shards(variable)]
+            for variable in model.optimizer.variables if "up_kernel" in variable.path}
+
+    # Saving writes full values; a (2,2) checkpoint loads on one device and the reverse.
+    sharded = models["mp22"]
+    sharded.save_weights(os.path.join(tmp, "mesh.weights.h5"))
+    single = build()
+    single.load_weights(os.path.join(tmp, "mesh.weights.h5"))
+    out["mesh_to_one"] = _max(single.get_weights(), sharded.get_weights())
+    reference.save_weights(os.path.join(tmp, "one.weights.h5"))
+    sharded.load_weights(os.path.join(tmp, "one.weights.h5"))
+    out["one_to_mesh"] = _max(sharded.get_weights(), reference.get_weights())
+    out["one_to_mesh_shards"] = [value.shape for _, value in keras_dist.parallel.shards(
+        sharded.get_layer("up").kernel)]
+    sharded.save(os.path.join(tmp, "mesh.keras"))
+    loaded = keras.saving.load_model(os.path.join(tmp, "mesh.keras"))
+    out["keras_file"] = _max(loaded.get_weights(), sharded.get_weights())
+    out["keras_file_optimizer"] = _max([v.numpy() for v in loaded.optimizer.variables],
+                                       [v.numpy() for v in sharded.optimizer.variables])
+
+    # Bad inputs: one message each.
+    errors = {}
+
+    def error_of(label, make_and_use):
+        try:
+            make_and_use()
+        except (ValueError, RuntimeError) as error:
+            errors[label] = f"{type(error).__name__}: {error}"
+        finally:
+            kd.set_distribution(None)
+
+    def with_layout(key, axes, shape=(2, 2)):
+        def go():
+            mesh = kd.DeviceMesh(shape, ["batch", "model"], kd.list_devices()[:int(np.prod(
+                shape))])
+            layout_map = kd.LayoutMap(mesh)
+            layout_map[key] = axes
+            kd.set_distribution(kd.ModelParallel(layout_map=layout_map))
+            model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(6, name="odd")])
+            model.build((None, 16))
+        return go
+
+    error_of("not_divisible", with_layout(".*odd/kernel", (None, "model"), (1, 4)))
+    error_of("axis_not_in_mesh", with_layout(".*odd/kernel", (None, "tensor")))
+    error_of("too_many_dims", with_layout(".*odd/bias", (None, "model")))
+    error_of("mesh_too_large", lambda: kd.DeviceMesh(
+        (2, 4), ["batch", "model"], [f"cpu:{i}" for i in range(8)]).backend_mesh)
+
+    def batch_dim_not_in_mesh():
+        mesh = kd.DeviceMesh((2, 2), ["batch", "model"], kd.list_devices())
+        kd.set_distribution(kd.ModelParallel(layout_map=kd.LayoutMap(mesh),
+                                             batch_dim_name="data"))
+        build()
+
+    error_of("batch_dim_not_in_mesh", batch_dim_not_in_mesh)
+
+    def batch_not_divisible():
+        kd.set_distribution(kd.DataParallel(devices=kd.list_devices()))
+        build().fit(x[:30], y[:30], batch_size=10, epochs=1, verbose=0)
+
+    error_of("batch_not_divisible", batch_not_divisible)
+
+    def mixed_with_strategy():
+        kd.set_distribution(kd.DataParallel(devices=kd.list_devices()))
+        with keras_dist.strategy(devices=[f"/cpu:{i}" for i in range(2)]).scope():
+            build()
+
+    error_of("mixed_with_strategy", mixed_with_strategy)
+    out["errors"] = errors
+
+    # Without the fix, Keras's own TF prototype runs: the distribution is ignored.
+    compat.revert("keras_distribution_on_tensorflow")
+    kd.set_distribution(kd.DataParallel(devices=kd.list_devices()))
+    try:
+        plain = build()
+        out["without_fix_shards"] = len(keras_dist.parallel.shards(
+            plain.get_layer("up").kernel))
+    finally:
+        kd.set_distribution(None)
+        compat.apply(names=("keras_distribution_on_tensorflow",))
+    out["reapplied"] = compat.applied()["keras_distribution_on_tensorflow"]
+    del tf
+    return out
+
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("keras_distribution"))
+    return run_in_subprocess(_core_scenarios, args=(tmp,), virtual_devices=4, timeout=300)
+
+
+def test_import_keras_dist_installs_it_and_lists_the_virtual_devices(core):
+    assert core["applied"] is True
+    assert core["devices"] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"] and core["count"] == 4
+
+
+@pytest.mark.parametrize("name", ["dp2", "dp4", "mp22"])
+def test_fit_evaluate_predict_equal_one_device(core, name):
+    got, want = core[name], core["one_device"]
+    for key, values in want["history"].items():
+        np.testing.assert_allclose(got["history"][key], values, atol=1e-5)
+    for key, value in want["evaluate"].items():
+        np.testing.assert_allclose(got["evaluate"][key], value, atol=1e-5)
+    assert _max(got["weights"], want["weights"]) < 1e-5
+    np.testing.assert_allclose(got["predict"], want["predict"], atol=1e-5)
+    np.testing.assert_allclose(got["call"], want["call"], atol=1e-5)  # eager model(x)
+
+
+def test_data_parallel_replicates_every_variable_on_each_device(core):
+    assert [shape for _, shape in core["dp2"]["kernel_shards"]] == [(16, 32)] * 2
+    assert [shape for _, shape in core["dp4"]["kernel_shards"]] == [(16, 32)] * 4
+
+
+def test_model_parallel_stores_a_slice_per_device_and_slots_follow(core):
+    shards = core["mp22"]["kernel_shards"]
+    assert [device.rsplit(":", 1)[-1] for device, _ in shards] == ["0", "1", "2", "3"]
+    assert [shape for _, shape in shards] == [(16, 16)] * 4  # half of (16, 32) each
+    slots = core["mp22"]["slot_shards"]
+    assert len(slots) == 2  # Adam's two moments
+    assert all(shapes == [(16, 16)] * 4 for shapes in slots.values())
+
+
+def test_saving_writes_full_values_and_loads_across_mesh_and_one_device(core):
+    assert core["mesh_to_one"] == 0.0
+    assert core["one_to_mesh"] == 0.0
+    assert core["one_to_mesh_shards"] == [(16, 16)] * 4
+    assert core["keras_file"] == 0.0 and core["keras_file_optimizer"] == 0.0
+
+
+@pytest.mark.parametrize("label, parts", [
+    ("not_divisible", ["'sequential", "odd/kernel'", "(16, 6)", "'model' (4)",
+                       "not divisible"]),
+    ("axis_not_in_mesh", ["'tensor'"]),
+    ("too_many_dims", ["odd/bias'", "(6,)", "2 dimensions"]),
+    ("mesh_too_large", ["(2, 4)", "8 CPU devices", "has 4"]),
+    ("batch_dim_not_in_mesh", ["batch_dim_name='data'", "'batch': 2, 'model': 2"]),
+    ("batch_not_divisible", ["10 rows", "'batch'", "multiple of 4", "drop_remainder"]),
+    ("mixed_with_strategy", ["MirroredStrategy", "keras_dist.strategy().scope()",
+                             "Use one"]),
+])
+def test_bad_input_is_a_clear_value_error(core, label, parts):
+    message = core["errors"].get(label, "")
+    assert message.startswith("ValueError"), (label, message)
+    for part in parts:
+        assert part in message, (label, part, message)
+
+
+def test_without_the_fix_keras_prototype_runs_and_apply_restores_it(core):
+    assert core["without_fix_shards"] == 1  # one ordinary variable: the distribution ignored
+    assert core["reapplied"] is True
+
+
+def _keras_hub_scenarios(backbone_name):
+    """keras-hub's own layouts (`get_layout_map`) for a tiny backbone + LM head."""
+    import keras
+    import keras_hub
+    import numpy as np
+    from keras import distribution as kd
+
+    import keras_dist
+
+    backbone_class = {"llama": keras_hub.models.LlamaBackbone,
+                      "gemma": keras_hub.models.GemmaBackbone}[backbone_name]
+
+    def build():
+        keras.utils.set_random_seed(0)
+        kwargs = dict(vocabulary_size=64, num_layers=2, num_query_heads=4,
+                      num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+                      dtype="float32")
+        if backbone_name == "gemma":
+            kwargs["head_dim"] = 4
+        backbone = backbone_class(**kwargs)
+        inputs = {"token_ids": keras.Input((8,), dtype="int32", name="token_ids"),
+                  "padding_mask": keras.Input((8,), dtype="int32", name="padding_mask")}
+        logits = keras.layers.Dense(64, name="lm_head")(backbone(inputs))
+        model = keras.Model(inputs, logits)
+        model.compile(optimizer=keras.optimizers.SGD(0.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model, backbone
+
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(0, 64, (16, 8)).astype("int32"),
+         "padding_mask": np.ones((16, 8), "int32")}
+    y = rng.integers(0, 64, (16, 8)).astype("int32")
+    reference, _ = build()
+    forward = np.asarray(reference.predict(x, batch_size=8, verbose=0))
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    out = {}
+    for shape in ((1, 2), (2, 2)):
+        devices = kd.list_devices()[:int(np.prod(shape))]
+        mesh = kd.DeviceMesh(shape, ["batch", "model"], devices)
+        kd.set_distribution(kd.ModelParallel(
+            layout_map=backbone_class.get_layout_map(mesh), batch_dim_name="batch"))
+        try:
+            model, backbone = build()
+            predicted = np.asarray(model.predict(x, batch_size=8, verbose=0))
+            model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        finally:
+            kd.set_distribution(None)
+        embedding = backbone.token_embedding.embeddings
+        out[shape] = {
+            "forward": float(np.abs(predicted - forward).max()),
+            "weights": max(float(np.abs(a - b).max()) for a, b in zip(
+                model.get_weights(), reference.get_weights())),
+            "embedding_shards": [value.shape for _, value in keras_dist.parallel.shards(
+                embedding)],
+        }
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backbone", ["llama", "gemma"])
+def test_keras_hub_layouts_forward_and_train_like_one_device(backbone):
+    out = run_in_subprocess(_keras_hub_scenarios, args=(backbone,), virtual_devices=4,
+                            timeout=300)
+    for shape, got in out.items():
+        assert got["forward"] < 1e-5, (shape, got)
+        assert got["weights"] < 1e-5, (shape, got)
+    # (64, 16) token embedding on ("model", "batch"): 1/2 x 1/2 on (2, 2), 1/2 on (1, 2).
+    assert out[(2, 2)]["embedding_shards"] == [(32, 8)] * 4
+    assert out[(1, 2)]["embedding_shards"] == [(32, 16)] * 2
