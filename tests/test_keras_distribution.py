@@ -302,3 +302,72 @@ def test_keras_hub_layouts_forward_and_train_like_one_device(backbone):
     # (64, 16) token embedding on ("model", "batch"): 1/2 x 1/2 on (2, 2), 1/2 on (1, 2).
     assert out[(2, 2)]["embedding_shards"] == [(32, 8)] * 4
     assert out[(1, 2)]["embedding_shards"] == [(32, 16)] * 2
+
+
+def _on_two_workers():
+    """One launched worker's part of DataParallel and ModelParallel (2, 2) over 2 x 2 CPUs."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from keras import distribution as kd
+
+    import keras_dist
+
+    kd.initialize()  # the job from TF_CONFIG, as keras-dist launch sets it
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    y = rng.normal(size=(64, 8)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((16,)),
+                                  keras.layers.Dense(32, activation="relu", name="up"),
+                                  keras.layers.Dense(8, name="down")])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+        return model
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+
+    reference = build()
+    reference.fit(dataset(), epochs=2, verbose=0)
+    devices = kd.list_devices()
+    mesh = kd.DeviceMesh((2, 2), ["batch", "model"], devices)
+    layout_map = kd.LayoutMap(mesh)
+    layout_map[".*up/kernel"] = (None, "model")
+    layout_map[".*down/kernel"] = ("model", None)
+    out = {"devices": devices}
+    for name, distribution in {
+            "dp": kd.DataParallel(devices=devices),
+            "mp22": kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")}.items():
+        kd.set_distribution(distribution)
+        try:
+            model = build()
+            model.fit(dataset(), epochs=2, verbose=0)
+        finally:
+            kd.set_distribution(None)
+        out[name] = {
+            "processes": (distribution.num_processes, distribution._process_id),
+            "weights": max(float(np.abs(a - b).max()) for a, b in zip(
+                model.get_weights(), reference.get_weights())),
+            "kernel_shards": [(device.split("/")[-2:], value.shape) for device, value in
+                              keras_dist.parallel.shards(model.get_layer("up").kernel)],
+        }
+    return out
+
+
+@pytest.mark.slow
+def test_two_launched_workers_train_like_one_device():
+    from keras_dist.testing import run_on_workers
+
+    results = run_on_workers(_on_two_workers, 2, virtual_devices=2, timeout=300)
+    for index, out in enumerate(results):
+        assert out["devices"] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+        for name in ("dp", "mp22"):
+            assert out[name]["processes"] == (2, index)
+            assert out[name]["weights"] < 1e-5, (index, name, out[name])
+        # Each worker stores its own two devices' parts: whole (dp) or half (mp) kernels.
+        assert [shape for _, shape in out["dp"]["kernel_shards"]] == [(16, 32)] * 2
+        assert [shape for _, shape in out["mp22"]["kernel_shards"]] == [(16, 16)] * 2
+        assert {part[0] for part, _ in out["mp22"]["kernel_shards"]} == {
+            f"task:{index}"}

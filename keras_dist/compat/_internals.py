@@ -294,7 +294,15 @@ def _tf_distribution_lib():
 
 
 def _tf_core_variable():
-    return _keras_module("keras.src.backend.tensorflow.core")().Variable
+    """The TF backend's Variable class: the one that defines `_initialize` in the MRO of
+    `keras.src.backend.Variable` (`tensorflow.core.Variable` in 3.15, `tensorflow.ops.
+    core.Variable` renamed to `keras.src.backend.Variable` in the 3.16 nightlies)."""
+    variable = _keras_module("keras.src.backend")().Variable
+    for cls in variable.__mro__:
+        if "_initialize" in vars(cls) and not cls.__module__.startswith(
+                "keras.src.backend.common"):
+            return cls
+    return None
 
 
 def _keras_layer():

@@ -207,22 +207,6 @@ def _array(array):
     return wrapper
 
 
-def _d_variable():
-    from tensorflow.dtensor.python import d_variable
-
-    return d_variable.DVariable
-
-
-def _tf_core_variable():
-    from keras.src.backend.tensorflow import core
-
-    return core.Variable
-
-
-def _layer():
-    from keras.src.layers.layer import Layer
-
-    return Layer
 
 
 def apply() -> None:
@@ -231,7 +215,7 @@ def apply() -> None:
     module = _distribution_lib()
     for name in _BACKEND_FUNCTIONS:
         _patch.patch(module, name, getattr(backend, name), fix=NAME)
-    d_variable = _d_variable()
+    d_variable = _internals._d_variable()
     for name in ("assign", "assign_add", "assign_sub"):
         _patch.patch(d_variable, name, _assigning(name, _patch.original(d_variable, name)),
                      fix=NAME)
@@ -242,13 +226,13 @@ def apply() -> None:
                  _making_function(_patch.original(trainer, "_make_function")), fix=NAME)
     _patch.patch(trainer, "make_predict_function", _making_predict_function(
         _patch.original(trainer, "make_predict_function")), fix=NAME)
-    variable = _tf_core_variable()
+    variable = _internals._tf_core_variable()
     _patch.patch(variable, "numpy", _numpy(_patch.original(variable, "numpy")), fix=NAME)
     _patch.patch(variable, "__array__", _array(_patch.original(variable, "__array__")),
                  fix=NAME)
     _patch.patch(variable, "_initialize",
                  _initializing(_patch.original(variable, "_initialize")), fix=NAME)
-    layer = _layer()
+    layer = _internals._keras_layer()
     _patch.patch(layer, "__call__", _calling(_patch.original(layer, "__call__")), fix=NAME)
 
 

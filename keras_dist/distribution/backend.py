@@ -29,7 +29,7 @@ def _dtensor():
 def _default_type(device_type: str | None) -> str:
     if device_type:
         return device_type.upper()
-    return "GPU" if _tf().config.list_logical_devices("GPU") else "CPU"
+    return "GPU" if _tf().config.list_physical_devices("GPU") else "CPU"
 
 
 def _addresses(job_addresses) -> list[str]:
@@ -77,8 +77,32 @@ def initialize(job_addresses=None, num_processes=None, process_id=None) -> None:
     os.environ.update(DTENSOR_JOBS=",".join(addresses), DTENSOR_JOB_NAME="worker",
                       DTENSOR_CLIENT_ID=str(process_id),
                       DTENSOR_NUM_CLIENTS=str(num_processes))
-    dtensor = _dtensor()
-    dtensor.initialize_accelerator_system(_default_type(None))
+    try:
+        _dtensor().initialize_accelerator_system(_default_type(None))
+    except ValueError as error:
+        if "Collective ops are already configured" in str(error):
+            # `import keras_dist` under this TF_CONFIG already started this worker's server
+            # for exactly this job (keras_dist.startup.early_init): DTensor runs on it.
+            return
+        if "already been initialized" in str(error):
+            raise ValueError(
+                "keras.distribution.initialize() must run before TensorFlow runs its first "
+                "op (creating a tensor, a dataset or a model, or listing logical devices). "
+                "Call it at the top of the script, right after the imports.") from None
+        raise
+
+
+def _local_count(kind: str) -> int:
+    """This process's logical devices of `kind` (a started server also lists its peers')."""
+    tf = _tf()
+    devices = tf.config.list_logical_devices(kind)
+    if num_processes() == 1:
+        return len(devices)
+    job, task = _dtensor().job_name(), process_id()
+    mine = [device for device in devices
+            if tf.DeviceSpec.from_string(device.name).job in (job, "localhost", None)
+            and tf.DeviceSpec.from_string(device.name).task in (task, None)]
+    return len(mine)
 
 
 def num_processes() -> int:
@@ -94,8 +118,7 @@ def process_id() -> int:
 def list_devices(device_type: str | None = None) -> list[str]:
     """Every device of the job of `device_type` (default: GPUs if any, else CPUs)."""
     kind = _default_type(device_type)
-    local = len(_tf().config.list_logical_devices(kind))
-    return [f"{kind.lower()}:{index}" for index in range(local * num_processes())]
+    return [f"{kind.lower()}:{index}" for index in range(_local_count(kind) * num_processes())]
 
 
 def get_device_count(device_type: str | None = None) -> int:
@@ -120,7 +143,7 @@ def _to_backend_mesh(device_mesh):
         raise ValueError(f"DeviceMesh {device_mesh.shape}: devices of one type expected, got "
                          f"{sorted(kinds)}.")
     kind = kinds.pop()
-    local_count = len(tf.config.list_logical_devices(kind))
+    local_count = _local_count(kind)
     available = local_count * num_processes()
     ids = [index for _, index in parsed]
     if len(set(ids)) != len(ids):
