@@ -12,6 +12,7 @@ _GOALS = {
     ("scaling", "efficiency"): ">= 0.9",
     ("input_sharding", "reads_per_worker_fraction"): "1/workers",
     ("memory", "ratio"): "< 1",
+    ("model_parallel", "bytes_ratio"): "~ 1/2 (+ replicated)",
 }
 
 
@@ -97,6 +98,16 @@ def _rows(results: dict) -> list[tuple]:
         add("memory", "ratio", "peak RSS accumulation k=4 at b / plain at 4b", memory["ratio"])
         add("memory", "increase", "training RSS increase accumulation / plain (MB)",
             f"{memory['accumulation_increase_mb']:.0f} / {memory['plain_increase_mb']:.0f}")
+    parallel = results.get("model_parallel")
+    if parallel and "bytes_ratio" in parallel:
+        add("model_parallel", "bytes_ratio", "bytes per device ModelParallel (2,2) / "
+            "DataParallel(4)", parallel["bytes_ratio"])
+        add("model_parallel", "bytes_ratio_1x4", "bytes per device ModelParallel (1,4) / "
+            "DataParallel(4)", parallel["bytes_ratio_1x4"])
+        add("model_parallel", "step_dp", "step time ModelParallel (2,2) / DataParallel(4)",
+            parallel["step_ratio_vs_data_parallel"], 2)
+        add("model_parallel", "step_strategy", "step time ModelParallel (2,2) / "
+            "keras_dist.strategy() (4 devices)", parallel["step_ratio_vs_strategy"], 2)
     for name, result in results.items():
         if isinstance(result, dict) and "error" in result:
             rows.append((name, "failed", result["error"].splitlines()[0][:80], ""))

@@ -29,6 +29,8 @@ REQUIRED = {
     "memory": ("plain_peak_rss_mb", "accumulation_peak_rss_mb", "ratio"),
     "buckets": (),
     "engine": ("gap_largest",),
+    "model_parallel": ("bytes_ratio", "bytes_ratio_1x4", "step_ratio_vs_data_parallel",
+                       "step_ratio_vs_strategy"),
 }
 
 
@@ -48,6 +50,22 @@ def _run_smoke(name, tmp_path):
     for key in REQUIRED[name]:
         assert _positive_finite(result[key]), f"{name}.{key} = {result.get(key)!r}"
     return results, result
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_model_parallel_smoke(tmp_path):
+    _, result = _run_smoke("model_parallel", tmp_path)
+    variants = result["variants"]
+    # Sharded kernels: less than the replicated bytes on a device, the fewer the more split.
+    assert (variants["model_parallel_1x4"]["bytes_per_device"]
+            < variants["model_parallel_2x2"]["bytes_per_device"]
+            < variants["data_parallel"]["bytes_per_device"]
+            == variants["strategy"]["bytes_per_device"])
+    # Same data, same initial weights: the same evaluated loss on every engine.
+    losses = [v["loss"] for v in variants.values()]
+    assert max(losses) - min(losses) < 1e-4, losses
 
 
 @pytest.mark.timeout(180)
