@@ -333,6 +333,12 @@ def _callback_cases() -> list[Case]:
            "Argument `straggler_ratio` must be a number > 1"),
         _c("Profiler", "callbacks.Profiler('x', steps=(0, 2))", ValueError,
            "Argument `steps` must be a pair (a, b) of integers with 1 <= a <= b"),
+        # -- keras.distribution on TensorFlow (the mesh-dependent ones: MESH_CASES below) --
+        _c("keras.distribution", "keras.distribution.initialize('127.0.0.1:1111', 2, 0)",
+           ValueError, "job_addresses must list every process's 'host:port'"),
+        _c("keras.distribution", "keras.distribution.initialize("
+           "'127.0.0.1:1111,127.0.0.1:1112', 2, 2)", ValueError,
+           "process_id must be in 0..1"),
     ]
 
 
@@ -414,6 +420,23 @@ def render_markdown() -> str:
         )
         lines.append(f"| {cell(case.api)} | {code(case.call)} | {error} | "
                      f"{code(case.fragment)} | {cell(env)} |")
+    from test_keras_distribution import MESH_CASES
+
+    lines += [
+        "",
+        "## keras.distribution on TensorFlow: layouts, meshes and batches",
+        "",
+        "These need a mesh of devices; `tests/test_keras_distribution.py` checks each on 4 "
+        "virtual CPUs (`test_bad_input_is_a_clear_value_error`). Each is a `ValueError` "
+        "naming the variable path, its shape, the layout and the mesh (or the batch and "
+        "the batch axis).",
+        "",
+        "| What the user did | Raises | Message contains |",
+        "|---|---|---|",
+    ]
+    for _, situation, fragments in MESH_CASES:
+        lines.append(f"| {cell(situation)} | ValueError | "
+                     f"{', '.join(code(fragment) for fragment in fragments)} |")
     return "\n".join(lines) + "\n"
 
 

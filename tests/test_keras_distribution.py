@@ -210,17 +210,28 @@ def test_saving_writes_full_values_and_loads_across_mesh_and_one_device(core):
     assert core["keras_file"] == 0.0 and core["keras_file_optimizer"] == 0.0
 
 
-@pytest.mark.parametrize("label, parts", [
-    ("not_divisible", ["'sequential", "odd/kernel'", "(16, 6)", "'model' (4)",
-                       "not divisible"]),
-    ("axis_not_in_mesh", ["'tensor'"]),
-    ("too_many_dims", ["odd/bias'", "(6,)", "2 dimensions"]),
-    ("mesh_too_large", ["(2, 4)", "8 CPU devices", "has 4"]),
-    ("batch_dim_not_in_mesh", ["batch_dim_name='data'", "'batch': 2, 'model': 2"]),
-    ("batch_not_divisible", ["10 rows", "'batch'", "multiple of 4", "drop_remainder"]),
-    ("mixed_with_strategy", ["MirroredStrategy", "keras_dist.strategy().scope()",
-                             "Use one"]),
-])
+# (label, what the user did, fragments of the ValueError): docs/bad_inputs.md lists them.
+MESH_CASES = [
+    ("not_divisible", "LayoutMap `'.*odd/kernel': (None, 'model')` on a (1, 4) mesh for a "
+     "(16, 6) kernel", ["'sequential", "odd/kernel'", "(16, 6)", "'model' (4)",
+                        "not divisible"]),
+    ("axis_not_in_mesh", "LayoutMap layout `(None, 'tensor')` on a mesh of axes "
+     "('batch', 'model') (Keras's own TensorLayout check)", ["'tensor'"]),
+    ("too_many_dims", "LayoutMap `'.*odd/bias': (None, 'model')` for a (6,) bias",
+     ["odd/bias'", "(6,)", "2 dimensions"]),
+    ("mesh_too_large", "`DeviceMesh((2, 4), ...)` over 8 devices in a job of 4",
+     ["(2, 4)", "8 CPU devices", "has 4"]),
+    ("batch_dim_not_in_mesh", "`ModelParallel(..., batch_dim_name='data')` on axes "
+     "('batch', 'model')", ["batch_dim_name='data'", "'batch': 2, 'model': 2"]),
+    ("batch_not_divisible", "`fit(batch_size=10)` under `DataParallel` over 4 devices",
+     ["10 rows", "'batch'", "multiple of 4", "drop_remainder"]),
+    ("mixed_with_strategy", "a model created under `DataParallel` inside "
+     "`keras_dist.strategy().scope()`", ["MirroredStrategy",
+                                          "keras_dist.strategy().scope()", "Use one"]),
+]
+
+
+@pytest.mark.parametrize("label, parts", [(label, parts) for label, _, parts in MESH_CASES])
 def test_bad_input_is_a_clear_value_error(core, label, parts):
     message = core["errors"].get(label, "")
     assert message.startswith("ValueError"), (label, message)
