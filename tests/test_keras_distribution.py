@@ -53,6 +53,10 @@ def _core_scenarios(tmp):
                 "evaluate": model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True),
                 "predict": model.predict(x, batch_size=16, verbose=0),
                 "call": np.asarray(model(x[:6])),
+                # 62 rows in batches of 16: the last (14) is not split, placed whole.
+                "predict_partial": model.predict(x[:62], batch_size=16, verbose=0),
+                "evaluate_partial": model.evaluate(x[:62], y[:62], batch_size=16, verbose=0,
+                                                   return_dict=True),
                 "weights": model.get_weights()}
 
     reference = build()
@@ -66,17 +70,23 @@ def _core_scenarios(tmp):
         layout_map[".*down/kernel"] = ("model", None)
         return kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
 
-    distributions = {"dp2": lambda: kd.DataParallel(devices=kd.list_devices()[:2]),
+    distributions = {"dp2": lambda: kd.DataParallel(device_mesh=kd.DeviceMesh(
+                         (2,), ["batch"], kd.list_devices()[:2])),
                      "dp4": lambda: kd.DataParallel(devices=kd.list_devices()),
                      "mp22": mesh_2x2}
     models = {}
     for name, make in distributions.items():
-        kd.set_distribution(make())
-        try:
-            models[name] = model = build()
-            out[name] = run(model)
-        finally:
-            kd.set_distribution(None)
+        if name == "dp2":  # entered with scope(), as the keras-io guide shows
+            with make().scope():
+                models[name] = model = build()
+                out[name] = run(model)
+        else:  # set_distribution, as keras-hub's examples show
+            kd.set_distribution(make())
+            try:
+                models[name] = model = build()
+                out[name] = run(model)
+            finally:
+                kd.set_distribution(None)
         out[name]["kernel_shards"] = [
             (device, value.shape) for device, value in keras_dist.parallel.shards(
                 model.get_layer("up").kernel)]
@@ -187,6 +197,9 @@ def test_fit_evaluate_predict_equal_one_device(core, name):
     assert _max(got["weights"], want["weights"]) < 1e-5
     np.testing.assert_allclose(got["predict"], want["predict"], atol=1e-5)
     np.testing.assert_allclose(got["call"], want["call"], atol=1e-5)  # eager model(x)
+    np.testing.assert_allclose(got["predict_partial"], want["predict_partial"], atol=1e-5)
+    for key, value in want["evaluate_partial"].items():
+        np.testing.assert_allclose(got["evaluate_partial"][key], value, atol=1e-5)
 
 
 def test_data_parallel_replicates_every_variable_on_each_device(core):

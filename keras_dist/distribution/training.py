@@ -26,7 +26,13 @@ def _batch_shards(distribution) -> int:
     return int(mesh.shape[list(mesh.axis_names).index(distribution.batch_dim_name)])
 
 
-def _place(data, distribution):
+def _place(data, distribution, training=True):
+    """`data` on the mesh, split along the batch axis.
+
+    A batch whose rows the batch axis does not divide is an error in training (the
+    gradient is the global batch's); in evaluate/predict on one process (the last, smaller
+    batch of a dataset) it is placed whole on every device instead: the same outputs.
+    """
     import tensorflow as tf
 
     shards = _batch_shards(distribution) // backend.num_processes() or 1
@@ -39,6 +45,10 @@ def _place(data, distribution):
         if tensor.shape.rank == 0:
             return backend.distribute_tensor(tensor, distribution.get_data_layout(()))
         rows = int(tensor.shape[0])
+        if rows % shards and not training and backend.num_processes() == 1:
+            mesh = distribution.device_mesh.backend_mesh
+            return backend.distribute_tensor(
+                tensor, _dtensor().Layout.replicated(mesh, tensor.shape.rank))
         if rows % shards:
             mesh = distribution.device_mesh
             where = ("this process's batch" if backend.num_processes() > 1
@@ -54,6 +64,12 @@ def _place(data, distribution):
             tensor, distribution.get_data_layout(tensor.shape), distribution.batch_dim_name)
 
     return tf.nest.map_structure(place, data)
+
+
+def _dtensor():
+    from tensorflow.experimental import dtensor
+
+    return dtensor
 
 
 def _local(outputs):
@@ -77,6 +93,8 @@ def make_function(model, step_function, distribution):
     """Keras's `train_function`/`test_function` contract, each step on the mesh."""
     import tensorflow as tf
 
+    training = step_function == model.train_step
+
     def one_step(data):
         with distribution.scope():
             return step_function(data)
@@ -93,7 +111,7 @@ def make_function(model, step_function, distribution):
                     raise StopIteration
                 break
             with distribution.scope():
-                outputs = compiled(_place(data, distribution))
+                outputs = compiled(_place(data, distribution, training))
         return _local(outputs)
 
     return function
@@ -110,7 +128,8 @@ def make_predict_function(model, distribution):
     compiled = one_step if model.run_eagerly else tf.function(one_step, reduce_retracing=True)
 
     def function(batches):
-        outputs = [_local(compiled(_place(batch, distribution))) for batch in batches]
+        outputs = [_local(compiled(_place(batch, distribution, training=False)))
+                   for batch in batches]
         if len(outputs) == 1:
             return outputs[0]
         return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *outputs)
