@@ -257,7 +257,11 @@ def test_without_the_fix_keras_prototype_runs_and_apply_restores_it(core):
     assert core["reapplied"] is True
 
 
-def _keras_hub_scenarios(backbone_name):
+def _keras_hub_scenarios():
+    return {name: _keras_hub_backbone(name) for name in ("llama", "gemma")}
+
+
+def _keras_hub_backbone(backbone_name):
     """keras-hub's own layouts (`get_layout_map`) for a tiny backbone + LM head."""
     import keras
     import keras_hub
@@ -315,11 +319,15 @@ def _keras_hub_scenarios(backbone_name):
     return out
 
 
+@pytest.fixture(scope="module")
+def keras_hub_models():
+    return run_in_subprocess(_keras_hub_scenarios, virtual_devices=4, timeout=300)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backbone", ["llama", "gemma"])
-def test_keras_hub_layouts_forward_and_train_like_one_device(backbone):
-    out = run_in_subprocess(_keras_hub_scenarios, args=(backbone,), virtual_devices=4,
-                            timeout=300)
+def test_keras_hub_layouts_forward_and_train_like_one_device(keras_hub_models, backbone):
+    out = keras_hub_models[backbone]
     for shape, got in out.items():
         assert got["forward"] < 1e-5, (shape, got)
         assert got["weights"] < 1e-5, (shape, got)
