@@ -119,7 +119,8 @@ def worker_pool():
 LONGEST_FIRST = ("test_tutorials", "test_custom_steps", "test_stock_optimizer",
                  "test_sparse_gradients", "test_fault_tolerance", "test_ray",
                  "test_elastic_launch", "test_parallel_pipeline", "test_notebook_launcher",
-                 "test_benchmarks", "test_rendezvous", "test_notebooks")
+                 "test_keras_distribution", "test_benchmarks", "test_rendezvous",
+                 "test_notebooks")
 
 
 def pytest_collection_modifyitems(config, items):

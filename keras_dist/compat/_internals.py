@@ -334,10 +334,13 @@ _DISTRIBUTION_INTERNALS = (
              _attribute(_tf_core_variable, "numpy"),
              _attribute(_tf_core_variable, "__array__"))),
     Internal(
-        "keras.TFTrainer._make_function",
-        "A model whose variables live on a mesh runs each fit/evaluate step on it.",
-        ("distribution",), "attribute lookup on the TF trainer class",
-        _attribute(_TRAINER, "_make_function")),
+        "keras.TFTrainer.make_train_function",
+        "With make_test_function: a model whose variables live on a mesh runs each "
+        "fit/evaluate step on it (the step stored as `train_function`/`test_function`).",
+        ("distribution",), "attribute lookups on the TF trainer class; it still sets "
+        "`self.train_function`",
+        _all(_attribute(_TRAINER, "make_test_function"),
+             _code_mentions(_TRAINER, "make_train_function", r"self\.train_function ="))),
     Internal(
         "keras.TFTrainer.make_predict_function",
         "A model whose variables live on a mesh runs each predict step on it.",

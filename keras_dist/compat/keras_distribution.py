@@ -64,6 +64,11 @@ def probe(module=None) -> str:
     return _probe.FIXED
 
 
+# The read-after-write containment (below). Only tests turn it off: to show that DTensor
+# still drops that order in this TensorFlow (tests/test_keras_distribution.py).
+forward_written_values = True
+
+
 def _written() -> dict:
     """Per graph being traced: id(DVariable) -> (variable, the value last assigned to it)."""
     from tensorflow.python.framework import ops
@@ -92,6 +97,9 @@ def _assigning(kind: str, assign):
             return assign(self, value, use_locking=use_locking, name=name,
                           read_value=read_value)
         value = dtensor.relayout(value, self.layout)
+        if not forward_written_values:
+            return assign(self, value, use_locking=use_locking, name=name,
+                          read_value=read_value)
         if kind != "assign":
             current = self._read_variable_op()
             value = dtensor.relayout(
@@ -111,7 +119,7 @@ def _forwarding_read(read):
         from tensorflow.experimental import dtensor
 
         value = None
-        if not tf.executing_eagerly():
+        if forward_written_values and not tf.executing_eagerly():
             entry = _written().get(id(self))
             if entry is not None and entry[0] is self:
                 value = tf.identity(entry[1])
@@ -139,15 +147,24 @@ def _initializing(initialize):
     return wrapper
 
 
-def _making_function(make):
+def _making_step_function(kind: str, make):
+    """`make_train_function` / `make_test_function`: a model on a mesh gets a step on it.
+
+    (Not `_make_function`: the custom_step_loss_scale fix wraps that one.)
+    """
+
     @functools.wraps(make)
-    def wrapper(self, step_function):
+    def wrapper(self, force=False):
         from keras_dist.distribution import training
 
         distribution = training.distribution_of(self)
         if distribution is None:
-            return make(self, step_function)
-        return training.make_function(self, step_function, distribution)
+            return make(self, force)
+        attribute = f"{kind}_function"
+        if getattr(self, attribute) is None or force:
+            step = self.train_step if kind == "train" else self.test_step
+            setattr(self, attribute, training.make_function(self, step, distribution))
+        return getattr(self, attribute)
 
     return wrapper
 
@@ -222,8 +239,10 @@ def apply() -> None:
     _patch.patch(d_variable, "_read_variable_op",
                  _forwarding_read(_patch.original(d_variable, "_read_variable_op")), fix=NAME)
     trainer = _internals._TRAINER()
-    _patch.patch(trainer, "_make_function",
-                 _making_function(_patch.original(trainer, "_make_function")), fix=NAME)
+    for kind in ("train", "test"):
+        name = f"make_{kind}_function"
+        _patch.patch(trainer, name, _making_step_function(kind, _patch.original(trainer, name)),
+                     fix=NAME)
     _patch.patch(trainer, "make_predict_function", _making_predict_function(
         _patch.original(trainer, "make_predict_function")), fix=NAME)
     variable = _internals._tf_core_variable()
@@ -242,7 +261,7 @@ FIX = Fix(
     summary="keras.distribution (DataParallel, ModelParallel, LayoutMap) on the TensorFlow "
     "backend, on DTensor: variables stored with their layout, steps run on the mesh.",
     symbols=("keras.tensorflow.distribution_lib", "keras.tensorflow.Variable",
-             "keras.TFTrainer._make_function", "keras.TFTrainer.make_predict_function",
+             "keras.TFTrainer.make_train_function", "keras.TFTrainer.make_predict_function",
              "keras.Layer.__call__", "tf.dtensor.DVariable"),
     probe=probe,
     apply=apply,

@@ -74,7 +74,10 @@ def initialize(variable, value, distribution) -> None:
 
     global created
     check_distribution(distribution)
-    with tf.init_scope():
+    # No device scope: Keras's TF optimizer creates slots colocated with their variable,
+    # a DVariable, and an initializer run there would run on DTensor's device, on whatever
+    # mesh it used last (a slot of a (2, 2) model made after a (4,) one got a (4,) value).
+    with tf.init_scope(), tf.device(None):
         full = value() if callable(value) else value
         full = tf.cast(tf.convert_to_tensor(full), variable._dtype)
         if variable._shape is None:
