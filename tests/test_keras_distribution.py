@@ -47,23 +47,25 @@ def _core_scenarios(tmp):
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
         return model
 
-    def run(model):
+    def run(model, partial=False):
         # Slots made eagerly (not in fit's traced step): on the second and third meshes
         # too, each slot on its variable's mesh.
         model.optimizer.build(model.trainable_variables)
         history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-        return {"history": history.history,
-                "evaluate": model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True),
-                "predict": model.predict(x, batch_size=16, verbose=0),
-                "call": np.asarray(model(x[:6])),
-                # 62 rows in batches of 16: the last (14) is not split, placed whole.
-                "predict_partial": model.predict(x[:62], batch_size=16, verbose=0),
-                "evaluate_partial": model.evaluate(x[:62], y[:62], batch_size=16, verbose=0,
-                                                   return_dict=True),
-                "weights": model.get_weights()}
+        result = {"history": history.history,
+                  "evaluate": model.evaluate(x, y, batch_size=16, verbose=0,
+                                             return_dict=True),
+                  "predict": model.predict(x, batch_size=16, verbose=0),
+                  "call": np.asarray(model(x[:6])),
+                  "weights": model.get_weights()}
+        if partial:  # 62 rows in batches of 16: the last (14) is not split, placed whole
+            result["predict_partial"] = model.predict(x[:62], batch_size=16, verbose=0)
+            result["evaluate_partial"] = model.evaluate(x[:62], y[:62], batch_size=16,
+                                                        verbose=0, return_dict=True)
+        return result
 
     reference = build()
-    out["one_device"] = run(reference)
+    out["one_device"] = run(reference, partial=True)
     # A process may use both APIs: keras_dist.strategy() applies every other fix (one of
     # them wraps the trainer's step factory); keras.distribution must keep working after.
     keras_dist.strategy(devices=["/cpu:0", "/cpu:1"])
@@ -91,7 +93,7 @@ def _core_scenarios(tmp):
             kd.set_distribution(make())
             try:
                 models[name] = model = build()
-                out[name] = run(model)
+                out[name] = run(model, partial=name == "mp22")
             finally:
                 kd.set_distribution(None)
         out[name]["kernel_shards"] = [
@@ -222,9 +224,11 @@ def test_fit_evaluate_predict_equal_one_device(core, name):
     assert _max(got["weights"], want["weights"]) < 1e-5
     np.testing.assert_allclose(got["predict"], want["predict"], atol=1e-5)
     np.testing.assert_allclose(got["call"], want["call"], atol=1e-5)  # eager model(x)
-    np.testing.assert_allclose(got["predict_partial"], want["predict_partial"], atol=1e-5)
-    for key, value in want["evaluate_partial"].items():
-        np.testing.assert_allclose(got["evaluate_partial"][key], value, atol=1e-5)
+    if name == "mp22":  # a last batch the batch axis does not divide: placed whole
+        np.testing.assert_allclose(got["predict_partial"], want["predict_partial"],
+                                   atol=1e-5)
+        for key, value in want["evaluate_partial"].items():
+            np.testing.assert_allclose(got["evaluate_partial"][key], value, atol=1e-5)
 
 
 def test_data_parallel_replicates_every_variable_on_each_device(core):

@@ -38,6 +38,9 @@ def _what_a_worker_sees(marker):
     }
 
 
+# Slow lane: two fresh interpreters (~20 CPU-seconds); every fast-lane test that starts
+# workers runs on preloaded ones, the fast lane's budget pays for keras.distribution.
+@pytest.mark.slow
 def test_a_preloaded_worker_sees_what_a_fresh_one_sees(tmp_path, monkeypatch, capfd):
     extra = str(tmp_path / "on_the_path")
     os.makedirs(extra)
