@@ -42,11 +42,10 @@ _PROTOTYPE_MARK = "DO NOT USE"
 
 
 def _distribution_lib():
+    """Keras's TF `distribution_lib` (None on another backend)."""
     if not _internals._keras_tf.uses_tensorflow_backend():
         return None
-    from keras.src.backend.tensorflow import distribution_lib
-
-    return distribution_lib
+    return _internals._tf_distribution_lib()
 
 
 def probe(module=None) -> str:
@@ -92,12 +91,10 @@ def _assigning(kind: str, assign):
         from keras_dist.distribution import backend
 
         value = tf.cast(value, self.dtype)
-        if tf.executing_eagerly():
-            value = backend.distribute_tensor(value, self.layout)
-            return assign(self, value, use_locking=use_locking, name=name,
-                          read_value=read_value)
-        value = dtensor.relayout(value, self.layout)
-        if not forward_written_values:
+        eager = tf.executing_eagerly()
+        value = (backend.distribute_tensor(value, self.layout) if eager
+                 else dtensor.relayout(value, self.layout))
+        if eager or not forward_written_values:
             return assign(self, value, use_locking=use_locking, name=name,
                           read_value=read_value)
         if kind != "assign":
@@ -222,8 +219,6 @@ def _array(array):
         return array(self, dtype, **kwargs)
 
     return wrapper
-
-
 
 
 def apply() -> None:

@@ -99,10 +99,9 @@ def _local_count(kind: str) -> int:
     if num_processes() == 1:
         return len(devices)
     job, task = _dtensor().job_name(), process_id()
-    mine = [device for device in devices
-            if tf.DeviceSpec.from_string(device.name).job in (job, "localhost", None)
-            and tf.DeviceSpec.from_string(device.name).task in (task, None)]
-    return len(mine)
+    specs = [tf.DeviceSpec.from_string(device.name) for device in devices]
+    return sum(spec.job in (job, "localhost", None) and spec.task in (task, None)
+               for spec in specs)
 
 
 def num_processes() -> int:
@@ -136,7 +135,7 @@ def _parse(name) -> tuple[str, int]:
 
 def _to_backend_mesh(device_mesh):
     """The `dtensor.Mesh` of a Keras `DeviceMesh` (axis names, shape and device order kept)."""
-    tf, dtensor = _tf(), _dtensor()
+    dtensor = _dtensor()
     parsed = [_parse(name) for name in np.asarray(device_mesh.devices).flatten()]
     kinds = {kind for kind, _ in parsed}
     if len(kinds) != 1:
@@ -158,7 +157,7 @@ def _to_backend_mesh(device_mesh):
     # position is given by the local device list, so any order of devices is kept.
     first = process_id() * local_count
     positions = [p for p, index in enumerate(ids) if first <= index < first + local_count]
-    job = _dtensor().job_name() if num_processes() > 1 else "localhost"
+    job = dtensor.job_name() if num_processes() > 1 else "localhost"
     task = process_id() if num_processes() > 1 else 0
     local_devices = [f"/job:{job}/replica:0/task:{task}/device:{kind}:{ids[p] - first}"
                      for p in positions]
@@ -198,15 +197,30 @@ def distribute_tensor(tensor, layout):
 
     A regular tensor must hold the same, full value in every process.
     """
-    tf, dtensor = _tf(), _dtensor()
+    dtensor = _dtensor()
     layout = _backend(layout)
     if layout is None:
         return tensor
     if not is_dtensor(tensor):
-        tensor = tf.convert_to_tensor(tensor)
-        tensor = dtensor.copy_to_mesh(tensor, dtensor.Layout.replicated(layout.mesh,
-                                                                        tensor.shape.rank))
+        tensor = replicated(tensor, layout.mesh)
     return dtensor.relayout(tensor, layout)
+
+
+def replicated(tensor, mesh):
+    """`tensor` (a regular tensor, the same in every process) whole on every device of
+    `mesh`."""
+    tensor = _tf().convert_to_tensor(tensor)
+    dtensor = _dtensor()
+    return dtensor.copy_to_mesh(tensor, dtensor.Layout.replicated(mesh, tensor.shape.rank))
+
+
+def whole(value):
+    """This process's copy of the whole value of a DTensor (gathered if it is sharded)."""
+    dtensor = _dtensor()
+    layout = dtensor.fetch_layout(value)
+    if not layout.is_fully_replicated():
+        value = dtensor.relayout(value, dtensor.Layout.replicated(layout.mesh, layout.rank))
+    return dtensor.unpack(value)[0]
 
 
 def distribute_data_input(per_process_batch, layout, batch_dim_name):

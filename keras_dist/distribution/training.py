@@ -46,9 +46,7 @@ def _place(data, distribution, training=True):
             return backend.distribute_tensor(tensor, distribution.get_data_layout(()))
         rows = int(tensor.shape[0])
         if rows % shards and not training and backend.num_processes() == 1:
-            mesh = distribution.device_mesh.backend_mesh
-            return backend.distribute_tensor(
-                tensor, _dtensor().Layout.replicated(mesh, tensor.shape.rank))
+            return backend.replicated(tensor, distribution.device_mesh.backend_mesh)
         if rows % shards:
             mesh = distribution.device_mesh
             where = ("this process's batch" if backend.num_processes() > 1
@@ -66,27 +64,25 @@ def _place(data, distribution, training=True):
     return tf.nest.map_structure(place, data)
 
 
-def _dtensor():
-    from tensorflow.experimental import dtensor
-
-    return dtensor
-
-
 def _local(outputs):
     """Regular tensors from the step's DTensor outputs: the full (replicated) value."""
     import tensorflow as tf
-    from tensorflow.experimental import dtensor
 
     def local(value):
-        if not backend.is_dtensor(value):
-            return value
-        layout = dtensor.fetch_layout(value)
-        if not layout.is_fully_replicated():
-            value = dtensor.relayout(value, dtensor.Layout.replicated(layout.mesh,
-                                                                      layout.rank))
-        return tf.identity(dtensor.unpack(value)[0])
+        return tf.identity(backend.whole(value)) if backend.is_dtensor(value) else value
 
     return tf.nest.map_structure(local, outputs)
+
+
+def _compiled(model, step, distribution):
+    """`step(data)` in the distribution's scope, traced unless the model runs eagerly."""
+    import tensorflow as tf
+
+    def one_step(data):
+        with distribution.scope():
+            return step(data)
+
+    return one_step if model.run_eagerly else tf.function(one_step, reduce_retracing=True)
 
 
 def make_function(model, step_function, distribution):
@@ -94,12 +90,7 @@ def make_function(model, step_function, distribution):
     import tensorflow as tf
 
     training = step_function == model.train_step
-
-    def one_step(data):
-        with distribution.scope():
-            return step_function(data)
-
-    compiled = one_step if model.run_eagerly else tf.function(one_step, reduce_retracing=True)
+    compiled = _compiled(model, step_function, distribution)
 
     def function(iterator):
         outputs = None
@@ -121,11 +112,7 @@ def make_predict_function(model, distribution):
     """Keras's `predict_function` contract: a list of batches in, the outputs out."""
     import tensorflow as tf
 
-    def one_step(data):
-        with distribution.scope():
-            return model.predict_step(data)
-
-    compiled = one_step if model.run_eagerly else tf.function(one_step, reduce_retracing=True)
+    compiled = _compiled(model, model.predict_step, distribution)
 
     def function(batches):
         outputs = [_local(compiled(_place(batch, distribution, training=False)))
@@ -167,9 +154,7 @@ def call_on_mesh(call, layer, args, kwargs):
 
     def place(value):
         if isinstance(value, (tf.Tensor, np.ndarray)):
-            tensor = tf.convert_to_tensor(value)
-            return dtensor.copy_to_mesh(tensor, dtensor.Layout.replicated(
-                mesh, tensor.shape.rank))
+            return backend.replicated(value, mesh)
         return value
 
     args, kwargs = tf.nest.map_structure(place, (args, kwargs))

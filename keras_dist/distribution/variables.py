@@ -103,15 +103,9 @@ def initialize(variable, value, distribution) -> None:
 
 def full_value(storage) -> np.ndarray:
     """The whole value of a DTensor (relayouted to replicated, one local copy)."""
-    from tensorflow.experimental import dtensor
-
     if hasattr(storage, "read_value"):
         storage = storage.read_value()
-    layout = dtensor.fetch_layout(storage)
-    if not layout.is_fully_replicated():
-        storage = dtensor.relayout(storage, dtensor.Layout.replicated(layout.mesh,
-                                                                      layout.rank))
-    return dtensor.unpack(storage)[0].numpy()
+    return backend.whole(storage).numpy()
 
 
 def shards(variable) -> list[tuple[str, np.ndarray]]:
