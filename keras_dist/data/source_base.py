@@ -16,7 +16,8 @@ class Source:
 
     A source whose examples can be read by index sets `global_order = True` and defines
     `epoch_dataset(epoch, num_workers, worker_index, worker_batch, seed)`: the worker's
-    examples of one epoch in the global order of `keras_dist/data/order.py`.
+    examples of one epoch in the global order of `keras_dist/data/order.py`; it may
+    override `epoch_batches` where reading a batch at once is cheaper.
     """
 
     global_order = False
@@ -30,6 +31,12 @@ class Source:
         if shard_size is None:
             return DEFAULT_SHUFFLE_BUFFER
         return max(1, min(shard_size, DEFAULT_SHUFFLE_BUFFER))
+
+    def epoch_batches(self, epoch, num_workers: int, worker_index: int, worker_batch: int,
+                      seed: int, batch: int, drop_remainder: bool):
+        """`epoch_dataset` in batches of `batch` (the pipeline's path without `map_fn`)."""
+        return self.epoch_dataset(epoch, num_workers, worker_index, worker_batch,
+                                  seed).batch(batch, drop_remainder=drop_remainder)
 
     def worker_dataset(self, num_workers, worker_index, worker_batch, input_context,
                        shuffle, seed):  # pragma: no cover - abstract

@@ -2,7 +2,8 @@
 
 Two shapes:
     * the global order (`data/order.py`), for shuffled index-able sources: per epoch, the
-      worker gathers its part of each global batch -> map_fn -> batch -> equalise; the
+      worker gathers its part of each global batch, a batch per gather (without map_fn),
+      or -> map_fn -> batch; then equalise; the
       epoch comes from the iterator's start (`order.EpochClock`), and with `repeat` the
       stream runs on through the following epochs;
     * a fixed shard per worker, for the other sources: shard -> [cache] -> shuffle ->
@@ -81,16 +82,15 @@ def _apply_map(dataset, map_fn):
     return dataset.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
-def _one_pass(dataset, plan: Plan, layout: Layout, worker_index: int,
+def _equalise(dataset, plan: Plan, layout: Layout, worker_index: int,
               drop_remainder: bool):
-    """Batches one pass of this worker's examples and gives it the plan's step count.
+    """Gives one batched pass of this worker's examples the plan's step count.
 
     Returns:
-        The batched pass and whether its cardinality must be hidden from Keras.
+        The pass and whether its cardinality must be hidden from Keras.
     """
     import tensorflow as tf
 
-    dataset = dataset.batch(plan.batch, drop_remainder=drop_remainder)
     hide_cardinality = layout.num_workers > 1 and plan.steps is None
     if plan.steps is not None:
         if drop_remainder:
@@ -130,8 +130,9 @@ def _shard_pipeline(source, plan: Plan, layout: Layout, worker_index: int, input
         dataset = dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
     if map_fn is not None and not cache:
         dataset = _apply_map(dataset, map_fn)
-    dataset, hide_cardinality = _one_pass(dataset, plan, layout, worker_index,
-                                          settings.drop_remainder)
+    dataset, hide_cardinality = _equalise(
+        dataset.batch(plan.batch, drop_remainder=settings.drop_remainder), plan, layout,
+        worker_index, settings.drop_remainder)
     pass_cardinality = int(dataset.cardinality())
     if settings.repeat:
         dataset = dataset.repeat()
@@ -152,11 +153,15 @@ def _global_order_pipeline(source, plan: Plan, layout: Layout, worker_index: int
     # only warn about the sources' generators.
     @tf.autograph.experimental.do_not_convert
     def one_pass(epoch):
-        dataset = source.epoch_dataset(epoch, layout.num_workers, worker_index,
-                                       plan.worker_batch, settings.seed)
-        if settings.map_fn is not None:
-            dataset = _apply_map(dataset, settings.map_fn)
-        return _one_pass(dataset, plan, layout, worker_index, settings.drop_remainder)
+        where = (epoch, layout.num_workers, worker_index, plan.worker_batch, settings.seed)
+        if settings.map_fn is None:
+            # Whole batches read at once: the per-example work of the seed's pipeline
+            # (shuffle, batch) is gone, so the global order costs less per step than it.
+            dataset = source.epoch_batches(*where, plan.batch, settings.drop_remainder)
+        else:
+            dataset = _apply_map(source.epoch_dataset(*where), settings.map_fn).batch(
+                plan.batch, drop_remainder=settings.drop_remainder)
+        return _equalise(dataset, plan, layout, worker_index, settings.drop_remainder)
 
     _, hide_cardinality = one_pass(tf.constant(0, tf.int64))  # structure only, not run
     pass_cardinality = plan.steps * plan.batches_per_step
