@@ -9,6 +9,7 @@ import math
 
 _GOALS = {
     ("overhead", "ratio"): ">= 1.0",
+    ("input_speed", "ratio_min"): ">= 1.0",
     ("scaling", "efficiency"): ">= 0.9",
     ("input_sharding", "reads_per_worker_fraction"): "1/workers",
     ("memory", "ratio"): "< 1",
@@ -36,6 +37,20 @@ def _rows(results: dict) -> list[tuple]:
             "2 virtual CPUs)", overhead["ratio"])
         add("overhead", "plain_eps", "examples/s plain / keras_dist",
             f"{overhead['plain_eps']:,.0f} / {overhead['keras_dist_eps']:,.0f}")
+    speed = results.get("input_speed")
+    if speed and "cases" in speed:
+        add("input_speed", "ratio_min", "input examples/s distribute_dataset / seed "
+            "pipeline, iterator alone, worst of "
+            f"{len(speed['cases'])} (arrays x workers)", speed["ratio_min"], 2)
+        for case in speed["cases"]:
+            pipelines = case["pipelines"]
+            memory = (f"; memory +MB {pipelines['plain']['rss_mb']:,.0f} / "
+                      f"{pipelines['keras_dist']['rss_mb']:,.0f}"
+                      if "rss_mb" in pipelines["plain"] else "")
+            add("input_speed", "case", f"  {case['examples']:,} x {case['features']}, "
+                f"{case['workers']} worker(s): ratio" + ("; memory +MB seed / keras_dist"
+                                                         if memory else ""),
+                f"{case['ratio']:.2f}{memory}")
     scaling = results.get("scaling")
     if scaling and "efficiency" in scaling:
         threads = scaling.get("inter_op_threads", 1)

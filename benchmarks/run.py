@@ -8,7 +8,7 @@
 
 Every figure is a ratio against plain tf.distribute (the seed's way) measured in the
 same run (pipeline: against GPipe's bubble model; engine: against a numpy + socket ring).
-Benchmarks: overhead, scaling, input_sharding, communication, memory, sparse_accumulation,
+Benchmarks: overhead, input_speed, scaling, input_sharding, communication, memory, sparse_accumulation,
 pipeline, buckets, engine, model_parallel (one module each in benchmarks/); `--only buckets --link-rate
 1gbit,10gbit` repeats the bucket-size sweep behind simulated links. The JSON goes to
 `--output` (default
@@ -35,7 +35,7 @@ if _ROOT not in sys.path:
     # importable here and (through the launcher's PYTHONPATH) in the workers.
     sys.path.insert(0, _ROOT)
 
-BENCHMARKS = ("overhead", "scaling", "input_sharding", "communication", "memory",
+BENCHMARKS = ("overhead", "input_speed", "scaling", "input_sharding", "communication", "memory",
               "sparse_accumulation", "pipeline", "buckets", "engine", "model_parallel")
 _DEVICE_AWARE = ("overhead", "communication")  # take --device/--replicas/... options
 # Only on request (`--link-rate` or `--only linksim`): it needs root or CAP_NET_ADMIN.

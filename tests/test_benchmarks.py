@@ -23,6 +23,7 @@ from benchmarks import run as bench_run  # noqa: E402
 REQUIRED = {
     "overhead": ("plain_eps", "keras_dist_eps", "ratio"),
     "scaling": ("eps_1", "eps_2", "efficiency"),
+    "input_speed": ("ratio_min",),
     "input_sharding": ("reads_per_worker_fraction", "seed_reads_per_worker_fraction",
                        "throughput_ratio"),
     "communication": ("max_busbw_fp32_GBps", "bf16_allreduce_speedup_largest"),
@@ -78,6 +79,26 @@ def test_overhead_smoke(tmp_path):
         "keras_dist.strategy", "keras_dist.distribute_dataset", "GradientAggregation"}
     # Installing the aggregation adds the global-norm bookkeeping to the step graph.
     assert result["ops_added"]["GradientAggregation"]
+
+
+@pytest.mark.multiworker
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_input_speed_smoke(tmp_path):
+    _, result = _run_smoke("input_speed", tmp_path)
+    assert [(case["workers"], case["examples"]) for case in result["cases"]] == [
+        (1, 2048), (2, 2048), (1, 4096), (2, 4096)]
+    for case in result["cases"]:
+        for pipeline in case["pipelines"].values():
+            assert _positive_finite(pipeline["examples_per_s"])
+            assert "rss_mb" in pipeline or case["workers"] == 2
+    # The guard of issue 36, a structure not a time: without a map_fn the global order
+    # reads whole batches (indices batched, then one gather per array), never a function
+    # per example (a gather per example cost 10x the seed's pipeline per step).
+    chain = result["structure"]
+    assert result["per_example_functions"] == 0, chain
+    assert chain.index("BatchDatasetV2") < chain.index("ParallelMapDatasetV2"), chain
+    assert "AssertCardinalityDataset" in chain  # repeat=True says it is infinite
 
 
 @pytest.mark.multiworker

@@ -148,6 +148,15 @@ def test_repeat_reshuffles_every_pass_deterministically():
     assert len({tuple(p) for p in run_1}) == 3
 
 
+def test_a_repeated_global_order_says_it_is_infinite():
+    # With an unknown cardinality a multi-worker iterator all-reduces "has data" every
+    # step (issue 36: 7x fewer examples/s on 2 workers, the iterator alone).
+    data = keras_dist.distribute_dataset(np.arange(24), 6, repeat=True)
+    assert data.cardinality() == tf.data.INFINITE_CARDINALITY
+    data = keras_dist.distribute_dataset(np.arange(24), 6)
+    assert data.cardinality() == 4
+
+
 def test_shuffle_buffer_one_keeps_order():
     # A buffer applies to sources read in sequence; index-able ones are permuted whole.
     data = keras_dist.distribute_dataset(tf.data.Dataset.range(10), 5, shuffle_buffer=1)

@@ -174,7 +174,11 @@ def _global_order_pipeline(source, plan: Plan, layout: Layout, worker_index: int
             epochs = tf.data.Dataset.range(position[0], tf.int64.max)
             return epochs.flat_map(lambda epoch: one_pass(epoch)[0]).skip(position[1] * skip)
 
-        return start.flat_map(stream), pass_cardinality
+        # Said infinite: tf.data cannot see through the flat_map, and with an unknown
+        # cardinality a multi-worker iterator all-reduces "has data" every step (7x
+        # fewer examples/s on 2 workers, iterator alone).
+        return start.flat_map(stream).apply(tf.data.experimental.assert_cardinality(
+            tf.data.INFINITE_CARDINALITY)), pass_cardinality
     dataset = start.flat_map(lambda position: one_pass(position[0])[0])
     if hide_cardinality:
         return dataset, pass_cardinality
