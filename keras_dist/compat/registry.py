@@ -120,6 +120,18 @@ INTERNALS: tuple[Internal, ...] = (
         _code_mentions(_TF_OPTIMIZER, "_backend_update_step",
                        r"self\._all_reduce_sum_gradients\(")),
     Internal(
+        "keras.TFOptimizer._distributed_tf_update_step",
+        "The sparse_duplicates_summed fix replaces it with upstream's loop that sums a "
+        "sparse gradient's repeated ids on each device before `update_step`.",
+        ("strategy",), "`_backend_update_step` still updates through it, and it through "
+        "`update_step` per variable",
+        _all(_code_mentions(_TF_OPTIMIZER, "_backend_update_step",
+                            r"self\._distributed_tf_update_step"),
+             _code_mentions(_TF_OPTIMIZER, "_distributed_tf_update_step",
+                            r"distribution\.extended\.update\("),
+             _code_mentions(_TF_OPTIMIZER, "_distributed_tf_update_step",
+                            r"self\.update_step\("))),
+    Internal(
         "keras.TFOptimizer._distribution_strategy",
         "install() falls back to the strategy the optimizer was created under.",
         ("aggregation",), "`TFOptimizer.__init__` still sets it",
