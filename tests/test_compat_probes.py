@@ -75,6 +75,12 @@ CASES = {
         r"return reduced_with_nones",
         "return self._clip_gradients_after_reduce(reduced_with_nones)",
     ),
+    # A fixed upstream would sum a sparse gradient's repeated ids before `update_step`.
+    "sparse_duplicates_summed": (
+        _keras_tf.tf_optimizer_class, "_distributed_tf_update_step",
+        r"return self\.update_step\(grad, var, learning_rate\)",
+        "return self.update_step(_deduplicate_sparse(grad), var, learning_rate)",
+    ),
     "optimizer_conds_cross_replica": (
         _keras_tf.tf_optimizer_class, "_backend_apply_gradients",
         r"ops\.cond\(",
