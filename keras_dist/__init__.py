@@ -42,6 +42,7 @@ _PUBLIC = {
     # public submodules
     **{name: f"keras_dist.{name}" for name in (
         "aggregation", "barriers", "callbacks", "checkpointing", "cluster", "compat", "data",
+        "distribution",
         "devices", "integrations", "launching", "parallel", "planning", "strategies",
         "testing")},
 }

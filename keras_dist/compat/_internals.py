@@ -313,6 +313,24 @@ def _d_variable():
     return _keras_module("tensorflow.dtensor.python.d_variable")().DVariable
 
 
+def _tf_core():
+    return _keras_module("keras.src.backend.tensorflow.core")()
+
+
+def _tf_random():
+    return _keras_module("keras.src.backend.tensorflow.random")()
+
+
+def distribution_base():
+    """Keras's `Distribution` class (3.15 exports it only from `keras.src`)."""
+    import keras
+
+    public = getattr(keras.distribution, "Distribution", None)
+    if public is not None:
+        return public
+    return _keras_module("keras.src.distribution.distribution_lib")().Distribution
+
+
 _DISTRIBUTION_INTERNALS = (
     Internal(
         "keras.tensorflow.distribution_lib",
@@ -358,4 +376,25 @@ _DISTRIBUTION_INTERNALS = (
         ("distribution",), "attribute lookups on tensorflow.dtensor.python.d_variable",
         _all(*(_attribute(_d_variable, name) for name in (
             "assign", "assign_add", "assign_sub", "_read_variable_op")))),
+    Internal(
+        "keras.tensorflow.random",
+        "Its random functions (normal, uniform, dropout, categorical, ...) draw the whole "
+        "value on every device of a mesh, so random numbers equal one device's.",
+        ("distribution",), "attribute lookups on keras.src.backend.tensorflow.random",
+        _all(*(_attribute(_tf_random, name) for name in (
+            "normal", "uniform", "truncated_normal", "randint", "categorical", "shuffle",
+            "gamma", "binomial", "beta", "dropout")))),
+    Internal(
+        "keras.tensorflow.core.slice_update",
+        "On a mesh, computed as a select with the padded update: DTensor cannot lay out "
+        "XLA's DynamicUpdateSlice (keras-hub's KV cache, its samplers).",
+        ("distribution",), "attribute lookup on keras.src.backend.tensorflow.core",
+        _attribute(_tf_core, "slice_update")),
+    Internal(
+        "keras.Distribution",
+        "keras_dist.distribution.FSDP subclasses it (not exported by keras.distribution "
+        "in 3.15); keras.distribution.set_distribution and the backend read its "
+        "device_mesh, batch_dim_name and get_*_layout.",
+        ("distribution",), "the class resolves and still declares get_variable_layout",
+        _attribute(distribution_base, "get_variable_layout")),
 )

@@ -16,6 +16,10 @@ Two DTensor defects are contained here (both silent, both measured on 4 virtual 
   left the weights unchanged, depending on the model's *name*). Every `DVariable.assign*`
   in a traced function computes the new value and forwards it to the variable's later
   reads in the same function: a data dependency instead of an ordering DTensor drops.
+* **Random numbers drawn per shard.** A sharded random op draws each device's part from a
+  seed mixed with the device id: dropout on a mesh differed from one device (GPT-2, 0.14
+  after one step). On a mesh, Keras's TF random functions draw the whole value on every
+  device (`keras_dist.distribution.random_ops`): one device's numbers on any mesh.
 * **Contracting dimension sharded twice.** A weight sharded along the batch axis (FSDP,
   keras-hub's layouts) is read with that axis gathered; DTensor's matmul expander
   refuses a contracting dimension sharded on the batch axis on one side and another
@@ -32,6 +36,7 @@ import functools
 
 from keras_dist.compat import _internals, _patch, _probe
 from keras_dist.compat._fix import Fix
+from keras_dist.distribution import mesh_ops, random_ops
 
 NAME = "keras_distribution_on_tensorflow"
 # What keras.distribution calls on a backend (JAX's distribution_lib has each).
@@ -115,7 +120,11 @@ def _forwarding_read(read):
         import tensorflow as tf
         from tensorflow.experimental import dtensor
 
+        from keras_dist.distribution import backend
+
         value = None
+        if not tf.executing_eagerly():
+            backend.mark_graph(self.layout.mesh)
         if forward_written_values and not tf.executing_eagerly():
             entry = _written().get(id(self))
             if entry is not None and entry[0] is self:
@@ -248,6 +257,15 @@ def apply() -> None:
                  _initializing(_patch.original(variable, "_initialize")), fix=NAME)
     layer = _internals._keras_layer()
     _patch.patch(layer, "__call__", _calling(_patch.original(layer, "__call__")), fix=NAME)
+    random = _internals._tf_random()
+    for name in random_ops.DRAWING:
+        _patch.patch(random, name, random_ops.drawing(_patch.original(random, name)),
+                     fix=NAME)
+    _patch.patch(random, "dropout", random_ops.dropping(_patch.original(random, "dropout")),
+                 fix=NAME)
+    core = _internals._tf_core()
+    _patch.patch(core, "slice_update", mesh_ops.updating_slices(
+        _patch.original(core, "slice_update")), fix=NAME)
 
 
 FIX = Fix(
@@ -257,7 +275,7 @@ FIX = Fix(
     "backend, on DTensor: variables stored with their layout, steps run on the mesh.",
     symbols=("keras.tensorflow.distribution_lib", "keras.tensorflow.Variable",
              "keras.TFTrainer.make_train_function", "keras.TFTrainer.make_predict_function",
-             "keras.Layer.__call__", "tf.dtensor.DVariable"),
+             "keras.Layer.__call__", "tf.dtensor.DVariable", "keras.tensorflow.random"),
     probe=probe,
     apply=apply,
 )

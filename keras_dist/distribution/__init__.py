@@ -27,4 +27,19 @@ Nothing here is called directly; use `keras.distribution`. Example (4 virtual CP
 
 Multi-worker: every worker calls `keras.distribution.initialize()` before TensorFlow runs an
 op; the job comes from TF_CONFIG (`keras-dist launch`, Kubernetes, Slurm, Ray).
+
+Models with no layout map: `keras_dist.distribution.FSDP` shards every large variable (and
+its optimizer slots) over the devices, the batch too (keras_dist/distribution/fsdp.py).
 """
+
+__all__ = ["FSDP"]
+
+
+def __getattr__(name):
+    # FSDP subclasses keras.distribution.Distribution: Keras (and TensorFlow) are imported
+    # when it is first used, not when keras_dist.distribution is.
+    if name == "FSDP":
+        from keras_dist.distribution.fsdp import FSDP
+
+        return FSDP
+    raise AttributeError(f"module 'keras_dist.distribution' has no attribute {name!r}")

@@ -7,11 +7,14 @@ every process of the job (process p's local device i is `p * local_count + i`), 
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 
 import numpy as np
 
 _NAME = re.compile(r"^(cpu|gpu|tpu):(\d+)$")
+_computing = threading.local()
 
 
 def _tf():
@@ -193,14 +196,31 @@ def is_dtensor(value) -> bool:
 
 
 def distribute_tensor(tensor, layout):
-    """`tensor` laid out as `layout` (a Keras `TensorLayout` or a `dtensor.Layout`).
+    """`tensor` (or a nested structure of tensors) laid out as `layout` (a Keras
+    `TensorLayout` or a `dtensor.Layout`).
 
-    A regular tensor must hold the same, full value in every process.
+    Eagerly, a regular tensor is placed on the mesh (it must hold the same, full value in
+    every process). In a function traced on the mesh (a step of `fit`, a layer's
+    `"<path>/output"` layout) the tensor is relayouted; in a function traced off the mesh
+    (a model whose weights are not on it) it is returned unchanged, as Keras's
+    `KerasTensor`s are.
     """
-    dtensor = _dtensor()
+    tf, dtensor = _tf(), _dtensor()
     layout = _backend(layout)
     if layout is None:
         return tensor
+    if not isinstance(tensor, (tf.Tensor, tf.Variable)):
+        if isinstance(tensor, (list, tuple, dict)):
+            return tf.nest.map_structure(lambda t: distribute_tensor(t, layout), tensor)
+        tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.rank is not None and tensor.shape.rank != layout.rank:
+        raise ValueError(
+            f"A layout of {layout.rank} dimensions ({list(layout.sharding_specs)}) cannot "
+            f"lay out a tensor of shape {tuple(tensor.shape)} (rank {tensor.shape.rank}). "
+            "Give one mesh axis (or None) per dimension of the tensor (a LayoutMap "
+            "'<layer>/output' key lays out that layer's output).")
+    if not tf.executing_eagerly():
+        return tensor if current_mesh() is None else dtensor.relayout(tensor, layout)
     if not is_dtensor(tensor):
         tensor = replicated(tensor, layout.mesh)
     return dtensor.relayout(tensor, layout)
@@ -237,3 +257,62 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
     shards = sorted(set(coords))
     pieces = tf.split(tf.convert_to_tensor(per_process_batch), len(shards), axis=0)
     return dtensor.pack([pieces[shards.index(c)] for c in coords], layout)
+
+
+@contextlib.contextmanager
+def computing_on(mesh):
+    """Marks the code run (or traced) inside as computing on the DTensor `mesh`."""
+    stack = _computing.__dict__.setdefault("meshes", [])
+    stack.append(mesh)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_mesh():
+    """The DTensor mesh the code being run or traced computes on (None: off the mesh).
+
+    Set around keras_dist's own steps (`computing_on`); in any other function being traced
+    (keras-hub's `generate`, a user's `tf.function`), the mesh of a DTensor variable read
+    in it so far (`mark_graph`): a function that reads one runs on the DTensor device.
+    """
+    stack = getattr(_computing, "meshes", None)
+    if stack:
+        return stack[-1]
+    tf = _tf()
+    if tf.executing_eagerly():
+        return None
+    for graph in _function_graphs():
+        mesh = getattr(graph, "_keras_dist_mesh", None)
+        if mesh is not None:
+            return mesh
+    return None
+
+
+def _function_graphs():
+    """The function graph being traced, then those enclosing it (not the global graph)."""
+    from tensorflow.python.framework import func_graph
+
+    graph = _tf().compat.v1.get_default_graph()
+    while isinstance(graph, func_graph.FuncGraph):
+        yield graph
+        graph = graph.outer_graph
+
+
+def mark_graph(mesh) -> None:
+    """Records that the function being traced (and those enclosing it) runs on `mesh`."""
+    for graph in _function_graphs():
+        if getattr(graph, "_keras_dist_mesh", None) is not None:
+            break
+        graph._keras_dist_mesh = mesh
+
+
+def replicate(tensor, mesh):
+    """`tensor` whole on every device of `mesh`, eagerly or in a function traced on it."""
+    tf, dtensor = _tf(), _dtensor()
+    tensor = tf.convert_to_tensor(tensor)
+    layout = dtensor.Layout.replicated(mesh, tensor.shape.rank)
+    if tf.executing_eagerly():
+        return distribute_tensor(tensor, layout)
+    return dtensor.relayout(tensor, layout)

@@ -78,8 +78,10 @@ def _compiled(model, step, distribution):
     """`step(data)` in the distribution's scope, traced unless the model runs eagerly."""
     import tensorflow as tf
 
+    mesh = distribution.device_mesh.backend_mesh
+
     def one_step(data):
-        with distribution.scope():
+        with distribution.scope(), backend.computing_on(mesh):
             return step(data)
 
     return one_step if model.run_eagerly else tf.function(one_step, reduce_retracing=True)
@@ -158,6 +160,6 @@ def call_on_mesh(call, layer, args, kwargs):
         return value
 
     args, kwargs = tf.nest.map_structure(place, (args, kwargs))
-    with distribution.scope(), dtensor.default_mesh(mesh):
+    with distribution.scope(), dtensor.default_mesh(mesh), backend.computing_on(mesh):
         outputs = call(layer, *args, **kwargs)
     return _local(outputs)
