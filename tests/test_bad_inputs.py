@@ -437,6 +437,21 @@ def render_markdown() -> str:
     for _, situation, fragments in MESH_CASES:
         lines.append(f"| {cell(situation)} | ValueError | "
                      f"{', '.join(code(fragment) for fragment in fragments)} |")
+    from test_fsdp import FSDP_CASES
+
+    lines += [
+        "",
+        "### `keras_dist.distribution.FSDP`",
+        "",
+        "`tests/test_fsdp.py` checks each on 4 virtual CPUs "
+        "(`test_fsdp_bad_input_is_a_clear_error`); each is a `ValueError`.",
+        "",
+        "| What the user did | Raises | Message contains |",
+        "|---|---|---|",
+    ]
+    for _, situation, fragments in FSDP_CASES:
+        lines.append(f"| {cell(situation)} | ValueError | "
+                     f"{', '.join(code(fragment) for fragment in fragments)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -198,15 +198,24 @@ def test_dropout_on_a_mesh_draws_one_devices_mask(fsdp):
     assert fsdp["dropout_per_shard"] > 1e-3, fsdp
 
 
-@pytest.mark.parametrize("label, parts", [
-    ("mesh_2d", ("one axis", "(2, 2)", "ModelParallel")),
-    ("min_elements", ("min_elements", "-1")),
-    ("both", ("device_mesh or devices",)),
-    ("axis_name", ("batch_dim_name='batch'", "batch_dim_name='data'")),
-    ("not_divisible", ("odd/kernel'", "(5, 7)", "min_elements=36")),
-    ("strategy_scope", ("strategy scope", "keras_dist.strategy()")),
-    ("strategy_inside", ("tf.distribute", "Use one")),
-])
+# (label, what the user did, fragments of the message): docs/bad_inputs.md is rendered from it.
+FSDP_CASES = [
+    ("mesh_2d", "`FSDP(DeviceMesh((2, 2), ['batch', 'model'], ...))`",
+     ("one axis", "(2, 2)", "ModelParallel")),
+    ("min_elements", "`FSDP(min_elements=-1)`", ("min_elements", "-1")),
+    ("both", "`FSDP(device_mesh, devices=...)`", ("device_mesh or devices",)),
+    ("axis_name", "`FSDP(DeviceMesh((4,), ['data'], ...))`, batch_dim_name left 'batch'",
+     ("batch_dim_name='batch'", "batch_dim_name='data'")),
+    ("not_divisible", "a (5, 7) kernel under `FSDP(min_elements=16)` on 4 devices (no "
+     "dimension divisible by 4)", ("odd/kernel'", "(5, 7)", "min_elements=36")),
+    ("strategy_scope", "`FSDP()` created inside `keras_dist.strategy().scope()`",
+     ("strategy scope", "keras_dist.strategy()")),
+    ("strategy_inside", "a model created under `FSDP().scope()` inside "
+     "`keras_dist.strategy().scope()`", ("tf.distribute", "Use one")),
+]
+
+
+@pytest.mark.parametrize("label, parts", [(label, parts) for label, _, parts in FSDP_CASES])
 def test_fsdp_bad_input_is_a_clear_error(fsdp, label, parts):
     message = fsdp["errors"].get(label, "")
     for part in parts:
