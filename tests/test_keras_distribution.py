@@ -411,7 +411,8 @@ def _on_two_workers():
     out = {"devices": devices}
     for name, distribution in {
             "dp": kd.DataParallel(devices=devices),
-            "mp22": kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")}.items():
+            "mp22": kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch"),
+            "fsdp": keras_dist.distribution.FSDP(min_elements=256)}.items():
         kd.set_distribution(distribution)
         try:
             model = build()
@@ -435,11 +436,39 @@ def test_two_launched_workers_train_like_one_device():
     results = run_on_workers(_on_two_workers, 2, virtual_devices=2, timeout=300)
     for index, out in enumerate(results):
         assert out["devices"] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
-        for name in ("dp", "mp22"):
+        for name in ("dp", "mp22", "fsdp"):
             assert out[name]["processes"] == (2, index)
             assert out[name]["weights"] < 1e-5, (index, name, out[name])
         # Each worker stores its own two devices' parts: whole (dp) or half (mp) kernels.
         assert [shape for _, shape in out["dp"]["kernel_shards"]] == [(16, 32)] * 2
         assert [shape for _, shape in out["mp22"]["kernel_shards"]] == [(16, 16)] * 2
+        # FSDP: the (16, 32) kernel split in 4 along its 32 dimension, 2 parts per worker.
+        assert [shape for _, shape in out["fsdp"]["kernel_shards"]] == [(16, 8)] * 2
         assert {part[0] for part, _ in out["mp22"]["kernel_shards"]} == {
             f"task:{index}"}
+
+
+@pytest.mark.slow
+def test_a_tf_config_with_a_chief_is_refused_clearly_by_every_process(tmp_path):
+    """A Kubeflow TFJob with a Chief replica: DTensor needs one job; each process says so
+    at once (no process waits for a peer that will not come)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from keras_dist.launching.local import free_ports
+
+    ports = free_ports(2)
+    cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]}
+    code = ("import keras_dist, keras\n"
+            "try:\n    keras.distribution.initialize()\n"
+            "except ValueError as error:\n    print('REFUSED', error)\n")
+    for task in ({"type": "chief", "index": 0}, {"type": "worker", "index": 0}):
+        env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": task}),
+                   TF_CPP_MIN_LOG_LEVEL="2")
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert "REFUSED" in done.stdout, (task, done.stdout, done.stderr[-2000:])
+        for part in ("'chief' task", "Worker replicas only", "keras_dist.strategy()"):
+            assert part in done.stdout, (part, done.stdout)

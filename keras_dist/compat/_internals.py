@@ -317,6 +317,10 @@ def _tf_core():
     return _keras_module("keras.src.backend.tensorflow.core")()
 
 
+def _tf_numpy():
+    return _keras_module("keras.src.backend.tensorflow.numpy")()
+
+
 def _tf_random():
     return _keras_module("keras.src.backend.tensorflow.random")()
 
@@ -390,6 +394,13 @@ _DISTRIBUTION_INTERNALS = (
         "XLA's DynamicUpdateSlice (keras-hub's KV cache, its samplers).",
         ("distribution",), "attribute lookup on keras.src.backend.tensorflow.core",
         _attribute(_tf_core, "slice_update")),
+    Internal(
+        "keras.tensorflow.numpy.einsum / backend.convert_to_numpy",
+        "On a mesh, einsum is one Einsum op (Keras's transpose+matmul rewrite cannot be "
+        "expanded by DTensor); convert_to_numpy of a DTensor returns its whole value.",
+        ("distribution",), "attribute lookups on keras.src.backend(.tensorflow.numpy)",
+        _all(_attribute(_tf_numpy, "einsum"), _attribute(_tf_core, "convert_to_numpy"),
+             _attribute(_keras_module("keras.src.backend"), "convert_to_numpy"))),
     Internal(
         "keras.Distribution",
         "keras_dist.distribution.FSDP subclasses it (not exported by keras.distribution "

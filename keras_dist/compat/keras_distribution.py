@@ -266,6 +266,12 @@ def apply() -> None:
     core = _internals._tf_core()
     _patch.patch(core, "slice_update", mesh_ops.updating_slices(
         _patch.original(core, "slice_update")), fix=NAME)
+    numpy_ops = _internals._tf_numpy()
+    _patch.patch(numpy_ops, "einsum", mesh_ops.einsum_as_one_op(
+        _patch.original(numpy_ops, "einsum")), fix=NAME)
+    for module in (core, _internals._keras_module("keras.src.backend")()):
+        _patch.patch(module, "convert_to_numpy", mesh_ops.converting_dtensors(
+            _patch.original(module, "convert_to_numpy")), fix=NAME)
 
 
 FIX = Fix(

@@ -58,6 +58,16 @@ def initialize(job_addresses=None, num_processes=None, process_id=None) -> None:
         cluster = ClusterConfig.from_env()
         if not cluster.is_multi_worker:
             return
+        if cluster.cluster.get("chief"):
+            # Every process raises the same error at once: no process waits for a peer.
+            raise ValueError(
+                "keras.distribution.initialize(): this TF_CONFIG has a 'chief' task "
+                f"(cluster: {dict(cluster.cluster)}), as a Kubeflow TFJob with a Chief "
+                "replica sets. keras.distribution on TensorFlow runs on DTensor, whose "
+                "processes must all belong to one job. Use Worker replicas only (in the "
+                "TFJob, replace the Chief replica by one more Worker: worker 0 then acts "
+                "as the chief, keras_dist.is_chief() included), or train with "
+                "keras_dist.strategy() (MultiWorkerMirroredStrategy), which takes a chief.")
         job_addresses = [address for task in ("chief", "worker")
                          for address in cluster.cluster.get(task, ())]
         num_processes, process_id = cluster.num_workers, cluster.worker_index

@@ -1,0 +1,146 @@
+"""The large-model workflow on a mesh (issue 38): LoRA fine-tuning, then greedy `generate()`.
+
+Google's "Distributed tuning with Gemma using Keras" at toy size: a keras-hub CausalLM
+(random init) with `backbone.enable_lora(4)`, trained with Adam, then sampled greedily, on
+`ModelParallel` (keras-hub's own layout map) (1, 4) and (2, 2), `DataParallel(4)` and
+`keras_dist.distribution.FSDP`, each against the same steps on one device; in float32 and
+in `mixed_bfloat16`. One process (4 virtual CPUs) per backbone; each test asserts one case.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from keras_dist.testing import run_in_subprocess
+
+pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
+
+MESHES = ("mp14", "mp22", "dp4", "fsdp")
+# bf16 on one sharded layout and FSDP (the per-mesh path is the same as float32's).
+BF16_MESHES = ("mp22", "fsdp")
+
+
+def _workflow(backbone_name):
+    import keras
+    import keras_hub
+    import numpy as np
+    from keras import distribution as kd
+
+    import keras_dist
+    from keras_dist.distribution import FSDP
+
+    models = keras_hub.models
+    backbone_class, lm_class = {
+        "gemma": (models.GemmaBackbone, models.GemmaCausalLM),
+        "llama": (models.LlamaBackbone, models.LlamaCausalLM)}[backbone_name]
+    vocabulary, length = 96, 12
+
+    def build():
+        keras.utils.set_random_seed(0)
+        kwargs = dict(vocabulary_size=vocabulary, num_layers=2, num_query_heads=4,
+                      num_key_value_heads=4, hidden_dim=32, intermediate_dim=64)
+        if backbone_name == "gemma":
+            kwargs["head_dim"] = 8
+        backbone = backbone_class(**kwargs)
+        backbone.enable_lora(4)
+        causal_lm = lm_class(backbone=backbone, preprocessor=None)
+        causal_lm.compile(optimizer=keras.optimizers.Adam(5e-2),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          sampler="greedy")
+        return causal_lm
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, vocabulary, (16, length + 1)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((16, length), "int32")}
+    y = tokens[:, 1:]
+    prompt = {"token_ids": np.zeros((4, length), "int32"),
+              "padding_mask": np.zeros((4, length), "int32")}
+    prompt["token_ids"][:, :3] = tokens[:4, :3]
+    prompt["padding_mask"][:, :3] = 1
+
+    def distribution(name):
+        if name == "one_device":
+            return None
+        if name == "fsdp":
+            return FSDP(min_elements=1024)
+        if name == "dp4":
+            return kd.DataParallel(devices=kd.list_devices())
+        shape = {"mp14": (1, 4), "mp22": (2, 2)}[name]
+        mesh = kd.DeviceMesh(shape, ["batch", "model"], kd.list_devices())
+        return kd.ModelParallel(layout_map=backbone_class.get_layout_map(mesh),
+                                batch_dim_name="batch")
+
+    def run(name):
+        chosen = distribution(name)
+        kd.set_distribution(chosen)
+        try:
+            causal_lm = build()
+            frozen = {v.path: np.asarray(v) for v in causal_lm.non_trainable_weights}
+            history = causal_lm.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+            generated = causal_lm.generate(prompt, stop_token_ids=None)
+        finally:
+            kd.set_distribution(None)
+        return {
+            "loss": history.history["loss"],
+            "trainable": sorted(v.path for v in causal_lm.trainable_weights),
+            "frozen_moved": max(float(np.abs(np.asarray(v) - frozen[v.path]).max())
+                                for v in causal_lm.non_trainable_weights),
+            "weights": [np.asarray(w, "float32") for w in causal_lm.get_weights()],
+            "tokens": np.asarray(generated["token_ids"]),
+            "sharded": sum(len({value.shape for _, value in keras_dist.parallel.shards(v)})
+                           == 1 and keras_dist.parallel.shards(v)[0][1].size < np.prod(v.shape)
+                           for v in causal_lm.weights),
+        }
+
+    def compare(got, reference):
+        return {"loss": float(np.abs(np.subtract(got["loss"], reference["loss"])).max()),
+                "weights": float(max(np.abs(a - b).max() for a, b in
+                                     zip(got["weights"], reference["weights"]))),
+                "tokens_equal": bool(np.array_equal(got["tokens"], reference["tokens"])),
+                "prompt_kept": bool(np.array_equal(got["tokens"][:, :3],
+                                                   prompt["token_ids"][:, :3])),
+                "trainable": got["trainable"], "frozen_moved": got["frozen_moved"],
+                "sharded": got["sharded"],
+                "reference_trainable": reference["trainable"]}
+
+    out = {}
+    for policy, meshes in (("float32", MESHES), ("mixed_bfloat16", BF16_MESHES)):
+        keras.config.set_dtype_policy(policy)
+        try:
+            reference = run("one_device")
+            out[policy] = {name: compare(run(name), reference) for name in meshes}
+            out[policy]["one_device_tokens"] = reference["tokens"].tolist()
+        finally:
+            keras.config.set_dtype_policy("float32")
+    return out
+
+
+@pytest.fixture(scope="module", params=["gemma", "llama"])
+def workflow(request):
+    return request.param, run_in_subprocess(_workflow, args=(request.param,),
+                                            virtual_devices=4, timeout=600)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_lora_fit_and_greedy_generate_equal_one_device_in_float32(workflow, mesh):
+    name, out = workflow
+    got = out["float32"][mesh]
+    assert got["loss"] < 1e-4 and got["weights"] < 1e-4, (name, mesh, got)
+    assert got["tokens_equal"], (name, mesh, got, out["float32"]["one_device_tokens"])
+    # Only the LoRA weights train; the frozen ones do not move.
+    assert got["trainable"] == got["reference_trainable"]
+    assert got["trainable"] and all("lora" in path for path in got["trainable"]), got
+    assert got["frozen_moved"] == 0.0, got
+    if mesh != "dp4":
+        assert got["sharded"] > 0, got
+
+
+@pytest.mark.parametrize("mesh", BF16_MESHES)
+def test_lora_in_mixed_bfloat16_stays_within_bf16_tolerance(workflow, mesh):
+    name, out = workflow
+    got = out["mixed_bfloat16"][mesh]
+    assert got["loss"] < 2e-3, (name, mesh, got)
+    assert got["weights"] < 0.1, (name, mesh, got)
+    assert got["prompt_kept"], got
+    assert got["frozen_moved"] == 0.0, got
