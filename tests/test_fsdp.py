@@ -91,7 +91,7 @@ def _fsdp_scenarios():
         with make().scope():
             model = build(dropout=0.3)
         out[f"dropout_{name}"] = _max(train(model).get_weights(), dropped.get_weights())
-    from keras_dist.compat import _patch, _internals
+    from keras_dist.compat import _distribution_internals as _internals, _patch
     random = _internals._tf_random()
     patched = random.dropout
     random.dropout = _patch.original(random, "dropout")

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import functools
 
-from keras_dist.compat import _internals, _patch, _probe
+from keras_dist.compat import _distribution_internals as _internals
+from keras_dist.compat import _keras_tf, _patch, _probe
 from keras_dist.compat._fix import Fix
 from keras_dist.distribution import mesh_ops, random_ops
 
@@ -48,7 +49,7 @@ _PROTOTYPE_MARK = "DO NOT USE"
 
 def _distribution_lib():
     """Keras's TF `distribution_lib` (None on another backend)."""
-    if not _internals._keras_tf.uses_tensorflow_backend():
+    if not _keras_tf.uses_tensorflow_backend():
         return None
     return _internals._tf_distribution_lib()
 

@@ -32,8 +32,8 @@ from keras_dist.compat._internals import (  # noqa: F401 (Internal: re-exported)
     _TF_OPTIMIZER,
     _WRITER_INTERNALS,
     _STARTUP_INTERNALS,
-    _DISTRIBUTION_INTERNALS,
 )
+from keras_dist.compat._distribution_internals import _DISTRIBUTION_INTERNALS
 
 
 class CompatError(RuntimeError):

@@ -17,7 +17,7 @@ import math
 import keras
 from keras.distribution import DeviceMesh, TensorLayout, list_devices
 
-from keras_dist.compat._internals import distribution_base
+from keras_dist.compat._distribution_internals import distribution_base
 
 Distribution = distribution_base()
 
