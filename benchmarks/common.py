@@ -218,3 +218,32 @@ def table(title: str, headers: Sequence[str], rows: Sequence[Sequence]) -> str:
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence]) -> None:
     print("\n" + table(title, headers, rows), flush=True)
+
+
+class RssSampler:
+    """The process's peak resident set while a `with` block runs (sampled every 5 ms)."""
+
+    def __init__(self):
+        import psutil
+
+        self._process = psutil.Process()
+        self.peak = 0
+
+    def __enter__(self):
+        import threading
+
+        self.start = self._process.memory_info().rss
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)

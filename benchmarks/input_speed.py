@@ -49,35 +49,6 @@ def settings(mode: str) -> dict:
     )
 
 
-class _RssSampler:
-    """The process's peak resident set while a `with` block runs (sampled every 5 ms)."""
-
-    def __init__(self):
-        import psutil
-
-        self._process = psutil.Process()
-        self.peak = 0
-
-    def __enter__(self):
-        import threading
-
-        self.start = self._process.memory_info().rss
-        self.peak = self.start
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self._process.memory_info().rss)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._process.memory_info().rss)
-
-
 def structure(dataset) -> list[str]:
     """The dataset op types `dataset`'s examples pass through, source first.
 
@@ -198,7 +169,7 @@ def memory(config: dict, shape: list, pipeline: str) -> int:
     # The runtime's own first-use allocations are neither pipeline's.
     next(iter(tf.data.Dataset.range(2).map(lambda i: i + 1).batch(2)))
     x, y = common.synthetic_classification(*shape)
-    with _RssSampler() as sampled:
+    with common.RssSampler() as sampled:
         iterator = iter(_pipelines(strategy, x, y)[pipeline]())
         for _ in range(config["warmup_steps"]):
             next(iterator)

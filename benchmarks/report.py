@@ -14,6 +14,7 @@ _GOALS = {
     ("input_sharding", "reads_per_worker_fraction"): "1/workers",
     ("memory", "ratio"): "< 1",
     ("model_parallel", "bytes_ratio"): "~ 1/2 (+ replicated)",
+    ("model_parallel", "fsdp_bytes_ratio"): "~ 1/4 (+ replicated)",
 }
 
 
@@ -123,6 +124,11 @@ def _rows(results: dict) -> list[tuple]:
             parallel["step_ratio_vs_data_parallel"], 2)
         add("model_parallel", "step_strategy", "step time ModelParallel (2,2) / "
             "keras_dist.strategy() (4 devices)", parallel["step_ratio_vs_strategy"], 2)
+        if "fsdp_bytes_ratio" in parallel:
+            add("model_parallel", "fsdp_bytes_ratio", "bytes per device FSDP / "
+                "DataParallel(4)", parallel["fsdp_bytes_ratio"])
+            add("model_parallel", "fsdp_step_dp", "step time FSDP / DataParallel(4)",
+                parallel["fsdp_step_vs_data_parallel"], 2)
     for name, result in results.items():
         if isinstance(result, dict) and "error" in result:
             rows.append((name, "failed", result["error"].splitlines()[0][:80], ""))

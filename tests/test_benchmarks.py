@@ -31,7 +31,8 @@ REQUIRED = {
     "buckets": (),
     "engine": ("gap_largest",),
     "model_parallel": ("bytes_ratio", "bytes_ratio_1x4", "step_ratio_vs_data_parallel",
-                       "step_ratio_vs_strategy"),
+                       "step_ratio_vs_strategy", "fsdp_bytes_ratio",
+                       "fsdp_step_vs_data_parallel"),
 }
 
 
@@ -64,6 +65,11 @@ def test_model_parallel_smoke(tmp_path):
             < variants["model_parallel_2x2"]["bytes_per_device"]
             < variants["data_parallel"]["bytes_per_device"]
             == variants["strategy"]["bytes_per_device"])
+    # FSDP: the two big kernels and their slots split in 4 (the head and biases are
+    # under min_elements=1024 and replicated).
+    fsdp, replicated = variants["fsdp"], variants["data_parallel"]
+    assert fsdp["slots_per_device"] < replicated["slots_per_device"] / 2
+    assert fsdp["params_per_device"] < replicated["params_per_device"] / 2
     # Same data, same initial weights: the same evaluated loss on every engine.
     losses = [v["loss"] for v in variants.values()]
     assert max(losses) - min(losses) < 1e-4, losses

@@ -17,6 +17,12 @@ from keras_dist.testing import run_in_subprocess
 pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
 
 MESHES = ("mp14", "mp22", "dp4", "fsdp")
+# With Adam every step moves a weight by about the learning rate, so bf16's rounding
+# differences show up as ~lr x steps. The same workflow on Keras's JAX backend (keras
+# 3.15.1, jax 0.10.2, 4 host devices), mixed_bfloat16 vs one device, gemma / llama:
+# lr 5e-2: weights 0.205 / 0.036, loss 7.6e-4 / 7.2e-5; lr 1e-2: weights 0.039 / 0.0027,
+# loss 6.9e-4 / 2.2e-5. The issue's bounds (weights 0.1, loss 2e-3) are for lr 1e-2.
+LEARNING_RATE = 1e-2
 # bf16 on one sharded layout and FSDP (the per-mesh path is the same as float32's).
 BF16_MESHES = ("mp22", "fsdp")
 
@@ -45,7 +51,7 @@ def _workflow(backbone_name):
         backbone = backbone_class(**kwargs)
         backbone.enable_lora(4)
         causal_lm = lm_class(backbone=backbone, preprocessor=None)
-        causal_lm.compile(optimizer=keras.optimizers.Adam(5e-2),
+        causal_lm.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                           sampler="greedy")
         return causal_lm
