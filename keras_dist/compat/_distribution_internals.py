@@ -35,12 +35,23 @@ def _d_variable():
     return _keras_module("tensorflow.dtensor.python.d_variable")().DVariable
 
 
+def _tf_ops_module(name: str):
+    """The TF backend's `core` / `numpy` ops module (`keras.src.backend.tensorflow.<name>`
+    in 3.15, `keras.src.backend.tensorflow.ops.<name>` in the 3.16 nightlies)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"keras.src.backend.tensorflow.ops.{name}")
+    except ImportError:
+        return importlib.import_module(f"keras.src.backend.tensorflow.{name}")
+
+
 def _tf_core():
-    return _keras_module("keras.src.backend.tensorflow.core")()
+    return _tf_ops_module("core")
 
 
 def _tf_numpy():
-    return _keras_module("keras.src.backend.tensorflow.numpy")()
+    return _tf_ops_module("numpy")
 
 
 def _tf_random():
