@@ -336,6 +336,135 @@ print(f"all weights: {full} bytes; stored per device: {per_device} "
 and the reverse (`model.save_weights(...)`, `keras.saving.load_model(...)` as usual)."""),
 ]
 
+FINE_TUNING = [
+    ("md", """# Fine-tune a large model on TensorFlow: LoRA, then `generate()`, on a mesh
+
+Google's "Distributed tuning with Gemma using Keras" at toy size: a keras-hub Gemma
+(random weights, no download) sharded with keras-hub's own layout map, fine-tuned with LoRA
+and sampled with `generate()`, on **4 virtual CPU devices** standing in for 4 GPUs. Then the
+same with `keras_dist.distribution.FSDP`, which needs no layout map, and what each device
+stores. Every result is compared with one device."""),
+    ("code", """import os
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["KERAS_BACKEND"] = "tensorflow"
+import keras_dist
+
+keras_dist.virtual_devices(4, "CPU")   # before TensorFlow starts; skip on a GPU machine
+import keras
+import keras_hub
+import numpy as np
+from keras import distribution as kd
+
+devices = kd.list_devices()
+devices"""),
+    ("md", """## Data: a few sentences, a word-level vocabulary
+(The tutorial uses Gemma's tokenizer and a preset; here the ids come from a tiny vocabulary
+so that nothing is downloaded.)"""),
+    ("code", """sentences = ["the cat sat on the mat", "the dog sat on the log",
+             "a cat saw a dog", "the dog saw the cat on the mat"] * 4
+words = sorted({w for s in sentences for w in s.split()})
+vocab = ["<pad>", "<bos>"] + words
+# Padded to a multiple of 8, as real vocabularies are: keras-hub's layout map splits the
+# embedding's rows over the "model" axis.
+vocab += [f"<unused{i}>" for i in range(-len(vocab) % 8)]
+ids = {w: i for i, w in enumerate(vocab)}
+length = 10
+
+def encode(text):
+    tokens = [ids["<bos>"]] + [ids[w] for w in text.split()]
+    return tokens + [0] * (length + 1 - len(tokens))
+
+tokens = np.array([encode(s) for s in sentences], "int32")
+x = {"token_ids": tokens[:, :-1], "padding_mask": (tokens[:, :-1] > 0).astype("int32")}
+y = tokens[:, 1:]
+sample_weight = (y > 0).astype("float32")
+
+prompt_words = ["<bos>", "the", "cat"]
+prompt = {"token_ids": np.zeros((4, length), "int32"), "padding_mask": np.zeros((4, length), "int32")}
+prompt["token_ids"][:, :3] = [ids[w] for w in prompt_words]
+prompt["padding_mask"][:, :3] = 1
+print(len(vocab), "words;", tokens.shape[0], "sentences")"""),
+    ("md", """## The model: Gemma, LoRA on its attention, Adam
+`enable_lora(8)` freezes every backbone weight and adds rank-8 adapters to the query and value
+projections: only those train."""),
+    ("code", """def build():
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=len(vocab), num_layers=2, num_query_heads=4, num_key_value_heads=4,
+        hidden_dim=32, intermediate_dim=64, head_dim=8)
+    backbone.enable_lora(8)
+    causal_lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    causal_lm.compile(optimizer=keras.optimizers.Adam(5e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      weighted_metrics=[], sampler="greedy")
+    return causal_lm
+
+def tune_and_generate(causal_lm):
+    history = causal_lm.fit(x, y, sample_weight=sample_weight, batch_size=8, epochs=30,
+                            shuffle=False, verbose=0)
+    out = causal_lm.generate(prompt, stop_token_ids=None)
+    return history.history["loss"], np.asarray(out["token_ids"])
+
+def words_of(token_ids):
+    return " ".join(vocab[i] for i in token_ids if i > 1)
+
+
+one_device = build()
+print("trainable:", [v.path for v in one_device.trainable_weights])
+reference_loss, reference_tokens = tune_and_generate(one_device)
+print("loss", [round(l, 3) for l in reference_loss[::5]])
+print("one device:", words_of(reference_tokens[0]))"""),
+    ("md", """## The same on a (1, 4) mesh, with keras-hub's layout map
+The model is created under the distribution; `fit` and `generate()` are the same calls.
+The KV cache of `generate()` lives on the mesh too."""),
+    ("code", """mesh = kd.DeviceMesh((1, 4), ["batch", "model"], devices)
+model_parallel = kd.ModelParallel(
+    layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh), batch_dim_name="batch")
+with model_parallel.scope():
+    sharded = build()
+loss, generated = tune_and_generate(sharded)
+print("mesh:      ", words_of(generated[0]))
+print("same tokens as one device:", np.array_equal(generated, reference_tokens))
+print("max loss difference:", float(np.abs(np.subtract(loss, reference_loss)).max()))
+assert np.array_equal(generated, reference_tokens)"""),
+    ("md", """## Any model, no layout map: FSDP
+`keras_dist.distribution.FSDP` splits the batch over the devices and every variable of at
+least `min_elements` elements on its largest divisible dimension (optimizer slots follow)."""),
+    ("code", """with keras_dist.distribution.FSDP(min_elements=1024).scope():
+    fsdp = build()
+loss, generated = tune_and_generate(fsdp)
+print("FSDP:      ", words_of(generated[0]))
+assert np.array_equal(generated, reference_tokens)"""),
+    ("md", """## What each device stores
+Bytes of the model's variables (params) and of Adam's (slots) on device 0, for one device,
+`DataParallel` (a full copy per device), `ModelParallel` (1, 4) and FSDP. LoRA's adapters and
+their slots are small and replicated; the frozen weights are what sharding saves."""),
+    ("code", """def bytes_per_device(model):
+    def held(variables):
+        return sum(keras_dist.parallel.shards(v)[0][1].nbytes for v in variables)
+    return held(model.weights), held(model.optimizer.variables)
+
+with kd.DataParallel(devices=devices).scope():
+    replicated = build()
+replicated.optimizer.build(replicated.trainable_variables)
+rows = {"one device": bytes_per_device(one_device), "DataParallel(4)": bytes_per_device(replicated),
+        "ModelParallel (1, 4)": bytes_per_device(sharded), "FSDP (4)": bytes_per_device(fsdp)}
+for name, (params, slots) in rows.items():
+    print(f"{name:22s} params {params / 1024:7.1f} KiB  slots {slots / 1024:6.1f} KiB")"""),
+    ("code", """import matplotlib.pyplot as plt
+
+names = list(rows)
+params = [rows[n][0] / 1024 for n in names]
+slots = [rows[n][1] / 1024 for n in names]
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.barh(names, params, label="params")
+ax.barh(names, slots, left=params, label="optimizer slots")
+ax.set_xlabel("KiB on device 0")
+ax.invert_yaxis()
+ax.legend()
+plt.tight_layout()"""),
+]
+
 
 def _write(name, cells):
     notebook = nbformat.v4.new_notebook()
@@ -353,3 +482,4 @@ if __name__ == "__main__":
     _write("03_gradient_aggregation.ipynb", AGGREGATION)
     _write("04_model_parallel.ipynb", MODEL_PARALLEL)
     _write("05_keras_distribution.ipynb", KERAS_DISTRIBUTION)
+    _write("06_fine_tune_large_model.ipynb", FINE_TUNING)

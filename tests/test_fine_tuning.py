@@ -79,9 +79,15 @@ def _workflow(backbone_name):
 
     def run(name):
         chosen = distribution(name)
-        kd.set_distribution(chosen)
+        if name == "fsdp":
+            # Created in the distribution's scope, then trained and sampled outside it.
+            with chosen.scope():
+                causal_lm = build()
+        else:  # set_distribution, as the Gemma tutorial does
+            kd.set_distribution(chosen)
         try:
-            causal_lm = build()
+            if name != "fsdp":
+                causal_lm = build()
             frozen = {v.path: np.asarray(v) for v in causal_lm.non_trainable_weights}
             history = causal_lm.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
             generated = causal_lm.generate(prompt, stop_token_ids=None)

@@ -35,6 +35,16 @@ def _d_variable():
     return _keras_module("tensorflow.dtensor.python.d_variable")().DVariable
 
 
+def _keras_hub_causal_lm():
+    """keras-hub's `CausalLM` (None without keras-hub)."""
+    import importlib
+
+    try:
+        return importlib.import_module("keras_hub.src.models.causal_lm").CausalLM
+    except ImportError:
+        return None
+
+
 def _tf_ops_module(name: str):
     """The TF backend's `core` / `numpy` ops module (`keras.src.backend.tensorflow.<name>`
     in 3.15, `keras.src.backend.tensorflow.ops.<name>` in the 3.16 nightlies)."""
@@ -134,6 +144,15 @@ _DISTRIBUTION_INTERNALS = (
         ("distribution",), "attribute lookups on keras.src.backend(.tensorflow.numpy)",
         _all(_attribute(_tf_numpy, "einsum"), _attribute(_tf_core, "convert_to_numpy"),
              _attribute(_keras_module("keras.src.backend"), "convert_to_numpy"))),
+    Internal(
+        "keras_hub.CausalLM.generate",
+        "Wrapped: a model on a mesh samples in its distribution's scope (keras-hub places "
+        "the prompt on the mesh only under a current distribution). Absent keras-hub: "
+        "nothing to wrap.",
+        ("distribution",), "keras-hub absent, or the class still has `generate` and it "
+        "still distributes its inputs through `distribution_lib.distribution()`",
+        lambda: None if _keras_hub_causal_lm() is None else _code_mentions(
+            _keras_hub_causal_lm, "generate", r"distribution_lib\.distribution\(\)")()),
     Internal(
         "keras.Distribution",
         "keras_dist.distribution.FSDP subclasses it (not exported by keras.distribution "

@@ -231,6 +231,43 @@ def _array(array):
     return wrapper
 
 
+def _generating_in_scope(generate):
+    """keras-hub `CausalLM.generate`: a model on a mesh samples in its distribution's scope
+    (keras-hub places the prompt on the mesh only when a distribution is current: a model
+    created in `distribution.scope()` and sampled after it fed DTensor regular tensors)."""
+
+    @functools.wraps(generate)
+    def wrapper(self, *args, **kwargs):
+        from keras.src.distribution import distribution_lib
+
+        from keras_dist.distribution import training
+
+        distribution = training.distribution_of(self)
+        if distribution is None or distribution_lib.distribution() is distribution:
+            return generate(self, *args, **kwargs)
+        with distribution.scope():
+            return generate(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _patch_keras_hub() -> None:
+    causal_lm = _internals._keras_hub_causal_lm()
+    if causal_lm is not None and getattr(causal_lm.generate, "_keras_dist_fix", None) != NAME:
+        _patch.patch(causal_lm, "generate",
+                     _generating_in_scope(_patch.original(causal_lm, "generate")), fix=NAME)
+
+
+def apply_keras_hub() -> None:
+    """The keras-hub part, once keras-hub is imported (while the fix is applied)."""
+    import sys
+
+    from keras_dist import compat
+
+    if "keras_hub" in sys.modules and compat.applied().get(NAME):
+        _patch_keras_hub()
+
+
 def apply() -> None:
     from keras_dist.distribution import backend
 
@@ -273,6 +310,10 @@ def apply() -> None:
     for module in (core, _internals._keras_module("keras.src.backend")()):
         _patch.patch(module, "convert_to_numpy", mesh_ops.converting_dtensors(
             _patch.original(module, "convert_to_numpy")), fix=NAME)
+    import sys
+
+    if "keras_hub" in sys.modules:
+        _patch_keras_hub()
 
 
 FIX = Fix(

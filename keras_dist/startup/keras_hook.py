@@ -22,6 +22,7 @@ def _apply() -> None:
     try:
         if _keras_tf.uses_tensorflow_backend():
             compat.apply(names=(keras_distribution.NAME,))
+            _after_import("keras_hub", _apply_keras_hub)
     except Exception as error:  # never break `import keras`; say what is off instead
         warnings.warn(
             f"keras_dist could not install keras.distribution for TensorFlow "
@@ -29,11 +30,14 @@ def _apply() -> None:
             "(TensorFlow prototype) in this process.", RuntimeWarning, stacklevel=2)
 
 
-class _AfterKeras(importlib.abc.MetaPathFinder):
-    """Finds `keras` with the other finders and runs `_apply()` once it is executed."""
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds module `name` with the other finders and runs `then()` once it is executed."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "keras":
+        if fullname != self.name:
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -53,15 +57,34 @@ class _AfterKeras(importlib.abc.MetaPathFinder):
             exec_module(module)
             if self in sys.meta_path:  # once (a bare find_spec, as TensorFlow's, is no import)
                 sys.meta_path.remove(self)
-            _apply()
+            self.then()
 
         loader.exec_module = exec_then_apply
         return spec
 
 
+def _after_import(name: str, then) -> None:
+    """`then()` now if module `name` is imported, else right after it is."""
+    if name in sys.modules:
+        then()
+    elif not any(isinstance(finder, _AfterImport) and finder.name == name
+                 for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
+def _apply_keras_hub() -> None:
+    from keras_dist.compat import keras_distribution
+
+    try:
+        keras_distribution.apply_keras_hub()
+    except Exception as error:  # never break `import keras_hub`
+        warnings.warn(
+            f"keras_dist could not prepare keras-hub's generate() for keras.distribution "
+            f"meshes ({type(error).__name__}: {error}); call generate() inside the "
+            "distribution's scope.", RuntimeWarning, stacklevel=2)
+
+
 def install() -> None:
-    """Applies the fix now if Keras is imported, else right after it is."""
-    if "keras" in sys.modules:
-        _apply()
-    elif not any(isinstance(finder, _AfterKeras) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterKeras())
+    """Applies the fix now if Keras is imported, else right after it is; its keras-hub
+    part likewise once keras-hub is imported."""
+    _after_import("keras", _apply)
