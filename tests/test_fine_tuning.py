@@ -156,3 +156,64 @@ def test_lora_in_mixed_bfloat16_stays_within_bf16_tolerance(workflow, mesh):
     assert got["weights"] < 0.1, (name, mesh, got)
     assert got["prompt_kept"], got
     assert got["frozen_moved"] == 0.0, got
+
+
+def _generate_on_two_workers():
+    """One launched worker's part: LoRA fit + greedy generate() of a tiny Gemma on a
+    ModelParallel (2, 2) mesh over 2 workers x 2 CPUs, against one device."""
+    import keras
+    import keras_hub
+    import numpy as np
+    from keras import distribution as kd
+
+    kd.initialize()  # the job from TF_CONFIG, as keras-dist launch sets it
+    vocabulary, length = 32, 8
+
+    def build():
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=vocabulary, num_layers=1, num_query_heads=2,
+            num_key_value_heads=2, hidden_dim=16, intermediate_dim=32, head_dim=8)
+        backbone.enable_lora(2)
+        causal_lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+        causal_lm.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          sampler="greedy")
+        return causal_lm
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, vocabulary, (8, length + 1)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((8, length), "int32")}
+    prompt = {"token_ids": np.zeros((4, length), "int32"),
+              "padding_mask": np.zeros((4, length), "int32")}
+    prompt["token_ids"][:, :2] = tokens[:4, :2]
+    prompt["padding_mask"][:, :2] = 1
+
+    import tensorflow as tf
+
+    def tune_and_sample(causal_lm):
+        # Several processes: Keras shards a tf.data.Dataset whose batch size it can read
+        # (keras-hub's own dataset from arrays has none: "batch size ... is unknown").
+        data = tf.data.Dataset.from_tensor_slices((x, tokens[:, 1:])).batch(
+            8, drop_remainder=True)
+        causal_lm.fit(data, epochs=2, verbose=0)
+        return np.asarray(causal_lm.generate(prompt, stop_token_ids=None)["token_ids"])
+
+    reference = tune_and_sample(build())
+    mesh = kd.DeviceMesh((2, 2), ["batch", "model"], kd.list_devices())
+    kd.set_distribution(kd.ModelParallel(
+        layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh), batch_dim_name="batch"))
+    try:
+        tokens_on_mesh = tune_and_sample(build())
+    finally:
+        kd.set_distribution(None)
+    return {"equal": bool(np.array_equal(tokens_on_mesh, reference)),
+            "tokens": tokens_on_mesh.tolist()}
+
+
+def test_generate_on_two_launched_workers_equals_one_device():
+    from keras_dist.testing import run_on_workers
+
+    results = run_on_workers(_generate_on_two_workers, 2, virtual_devices=2, timeout=400)
+    assert all(result["equal"] for result in results), results
+    assert results[0]["tokens"] == results[1]["tokens"]
