@@ -130,12 +130,19 @@ def _other_optimizers_on_two_devices():
     return _differences(keras_dist.strategy(), SLOW_TWO_DEVICE_CASES)
 
 
-def _on_each_worker():
+# On 2 workers: Adam alone and through GradientAggregation's clipping (its all-reduce),
+# SGD the control, in the fast lane; the other optimizers in the slow lane.
+FAST_WORKER_CASES = [("Adam", ""), ("SGD", ""), ("Adam", "aggregation_clipnorm")]
+SLOW_WORKER_CASES = [case for case in _cases(("aggregation_clipnorm",))
+                     if case not in FAST_WORKER_CASES]
+
+
+def _on_each_worker(cases):
     import keras_dist
 
     strategy = keras_dist.strategy()
     return {"replicas": strategy.num_replicas_in_sync,
-            "differences": _differences(strategy, _cases(("aggregation_clipnorm",)))}
+            "differences": _differences(strategy, cases)}
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +184,19 @@ def test_two_devices_other_optimizers_sparse_equal_dense(other_optimizers, name,
     assert other_optimizers[f"{name}/{path}"] < EXACT, other_optimizers
 
 
-def test_two_workers_sparse_equals_dense(worker_pool):
-    chief, other = worker_pool.run(_on_each_worker)
+def _check_workers(chief, other, cases):
     assert chief["replicas"] == other["replicas"] == 2
     assert chief["differences"] == other["differences"]
+    assert set(chief["differences"]) == {f"{name}/{path}" for name, path in cases}
     assert {key: value for key, value in chief["differences"].items() if value >= EXACT} == {}
+
+
+def test_two_workers_sparse_equals_dense(worker_pool):
+    chief, other = worker_pool.run(_on_each_worker, args=(FAST_WORKER_CASES,))
+    _check_workers(chief, other, FAST_WORKER_CASES)
+
+
+@pytest.mark.slow
+def test_two_workers_other_optimizers_sparse_equal_dense(worker_pool):
+    chief, other = worker_pool.run(_on_each_worker, args=(SLOW_WORKER_CASES,))
+    _check_workers(chief, other, SLOW_WORKER_CASES)
