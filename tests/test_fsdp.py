@@ -253,7 +253,8 @@ def _guide(path):
             keras.distribution.set_distribution = set_distribution
             set_distribution(None)
         runs[mode] = [{"weights": model.get_weights(), "loss": loss,
-                       "shards": len(keras_dist.parallel.shards(model.weights[0]))}
+                       "kernel_shards": sorted({value.shape for _, value in
+                                                keras_dist.parallel.shards(model.weights[0])})}
                       for model, loss in fitted]
     return runs
 
@@ -265,7 +266,9 @@ def test_the_keras_io_distribution_guide_runs_unchanged_and_equals_one_device():
     for mesh, one in zip(runs["mesh"], runs["one_device"]):
         assert _max(mesh["weights"], one["weights"]) < 1e-5
         assert np.allclose(mesh["loss"], one["loss"], atol=1e-5)
-    assert [run["shards"] for run in runs["mesh"]] == [8, 8]
+    # The (784, 200) first kernel: whole on each device (DataParallel), split in 4 on
+    # "model" by the guide's "d1/kernel" key (ModelParallel (2, 4)).
+    assert [run["kernel_shards"] for run in runs["mesh"]] == [[(784, 200)], [(784, 50)]]
 
 
 LLMS = ("mistral", "qwen3", "phi3", "gpt2")
