@@ -246,12 +246,18 @@ def _guide(path):
         keras.Model.fit = fit
         if mode == "one_device":
             keras.distribution.set_distribution = lambda value: None
+        namespace = {"__name__": "__main__"}
         try:
-            exec(compile(source, path, "exec"), {"__name__": "__main__"})
+            exec(compile(source, path, "exec"), namespace)
+            # The ModelParallel model (its "d2/output" layout) in predict and eager calls.
+            images = np.random.default_rng(1).normal(size=(16, 28, 28, 1))
+            predicted = namespace["model"].predict(images, batch_size=8, verbose=0)
+            called = np.asarray(namespace["model"](images[:4]))
         finally:
             keras.Model.fit = original_fit
             keras.distribution.set_distribution = set_distribution
             set_distribution(None)
+        runs[f"{mode}_outputs"] = (predicted, called)
         runs[mode] = [{"weights": model.get_weights(), "loss": loss,
                        "kernel_shards": sorted({value.shape for _, value in
                                                 keras_dist.parallel.shards(model.weights[0])})}
@@ -266,6 +272,8 @@ def test_the_keras_io_distribution_guide_runs_unchanged_and_equals_one_device():
     for mesh, one in zip(runs["mesh"], runs["one_device"]):
         assert _max(mesh["weights"], one["weights"]) < 1e-5
         assert np.allclose(mesh["loss"], one["loss"], atol=1e-5)
+    for mesh, one in zip(runs["mesh_outputs"], runs["one_device_outputs"]):
+        assert np.abs(mesh - one).max() < 1e-5  # predict, eager call
     # The (784, 200) first kernel: whole on each device (DataParallel), split in 4 on
     # "model" by the guide's "d1/kernel" key (ModelParallel (2, 4)).
     assert [run["kernel_shards"] for run in runs["mesh"]] == [[(784, 200)], [(784, 50)]]
