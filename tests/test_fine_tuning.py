@@ -17,14 +17,13 @@ from keras_dist.testing import run_in_subprocess
 pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
 
 MESHES = ("mp14", "mp22", "dp4", "fsdp")
+BF16_MESHES = {"gemma": ("mp22", "fsdp"), "llama": ("mp22",)}
 # With Adam every step moves a weight by about the learning rate, so bf16's rounding
 # differences show up as ~lr x steps. The same workflow on Keras's JAX backend (keras
 # 3.15.1, jax 0.10.2, 4 host devices), mixed_bfloat16 vs one device, gemma / llama:
 # lr 5e-2: weights 0.205 / 0.036, loss 7.6e-4 / 7.2e-5; lr 1e-2: weights 0.039 / 0.0027,
 # loss 6.9e-4 / 2.2e-5. The issue's bounds (weights 0.1, loss 2e-3) are for lr 1e-2.
 LEARNING_RATE = 1e-2
-# bf16 on one sharded layout and FSDP (the per-mesh path is the same as float32's).
-BF16_MESHES = ("mp22", "fsdp")
 
 
 def _workflow(backbone_name):
@@ -44,7 +43,7 @@ def _workflow(backbone_name):
 
     def build():
         keras.utils.set_random_seed(0)
-        kwargs = dict(vocabulary_size=vocabulary, num_layers=2, num_query_heads=4,
+        kwargs = dict(vocabulary_size=vocabulary, num_layers=1, num_query_heads=4,
                       num_key_value_heads=4, hidden_dim=32, intermediate_dim=64)
         if backbone_name == "gemma":
             kwargs["head_dim"] = 8
@@ -117,7 +116,8 @@ def _workflow(backbone_name):
                 "reference_trainable": reference["trainable"]}
 
     out = {}
-    for policy, meshes in (("float32", MESHES), ("mixed_bfloat16", BF16_MESHES)):
+    for policy, meshes in (("float32", MESHES),
+                           ("mixed_bfloat16", BF16_MESHES[backbone_name])):
         keras.config.set_dtype_policy(policy)
         try:
             reference = run("one_device")
@@ -148,9 +148,11 @@ def test_lora_fit_and_greedy_generate_equal_one_device_in_float32(workflow, mesh
         assert got["sharded"] > 0, got
 
 
-@pytest.mark.parametrize("mesh", BF16_MESHES)
+@pytest.mark.parametrize("mesh", ("mp22", "fsdp"))
 def test_lora_in_mixed_bfloat16_stays_within_bf16_tolerance(workflow, mesh):
     name, out = workflow
+    if mesh not in BF16_MESHES[name]:
+        pytest.skip(f"bf16 {mesh} runs on {[n for n, m in BF16_MESHES.items() if mesh in m]}")
     got = out["mixed_bfloat16"][mesh]
     assert got["loss"] < 2e-3, (name, mesh, got)
     assert got["weights"] < 0.1, (name, mesh, got)

@@ -294,7 +294,7 @@ def _keras_hub_fsdp():
 
     vocabulary = 128
     models = keras_hub.models
-    common = dict(vocabulary_size=vocabulary, num_layers=2, hidden_dim=32,
+    common = dict(vocabulary_size=vocabulary, num_layers=1, hidden_dim=32,
                   intermediate_dim=64, dtype="float32")
     make = {
         "mistral": lambda: models.MistralBackbone(num_query_heads=4, num_key_value_heads=2,

@@ -337,7 +337,9 @@ def _keras_hub_backbone(backbone_name):
     forward = np.asarray(reference.predict(x, batch_size=8, verbose=0))
     reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     out = {}
-    for shape in ((1, 2), (2, 2)):
+    # (2, 2): both mesh axes (the (1, 4) and (2, 2) meshes of LoRA fine-tuning and
+    # generate() are in tests/test_fine_tuning.py).
+    for shape in ((2, 2),):
         devices = kd.list_devices()[:int(np.prod(shape))]
         mesh = kd.DeviceMesh(shape, ["batch", "model"], devices)
         kd.set_distribution(kd.ModelParallel(
@@ -371,9 +373,8 @@ def test_keras_hub_layouts_forward_and_train_like_one_device(keras_hub_models, b
     for shape, got in out.items():
         assert got["forward"] < 1e-5, (shape, got)
         assert got["weights"] < 1e-5, (shape, got)
-    # (64, 16) token embedding on ("model", "batch"): 1/2 x 1/2 on (2, 2), 1/2 on (1, 2).
+    # (64, 16) token embedding on ("model", "batch"): 1/2 x 1/2 on (2, 2).
     assert out[(2, 2)]["embedding_shards"] == [(32, 8)] * 4
-    assert out[(1, 2)]["embedding_shards"] == [(32, 16)] * 2
 
 
 def _on_two_workers():

@@ -141,9 +141,9 @@ _DISTRIBUTION_INTERNALS = (
         "keras.tensorflow.numpy.einsum / backend.convert_to_numpy",
         "On a mesh, einsum is one Einsum op (Keras's transpose+matmul rewrite cannot be "
         "expanded by DTensor); convert_to_numpy of a DTensor returns its whole value.",
-        ("distribution",), "attribute lookups on keras.src.backend(.tensorflow.numpy)",
-        _all(_attribute(_tf_numpy, "einsum"), _attribute(_tf_core, "convert_to_numpy"),
-             _attribute(_keras_module("keras.src.backend"), "convert_to_numpy"))),
+        ("distribution",), "attribute lookups on the TF backend's ops modules (also patched "
+        "in keras.src.backend where it binds convert_to_numpy, as 3.15 does)",
+        _all(_attribute(_tf_numpy, "einsum"), _attribute(_tf_core, "convert_to_numpy"))),
     Internal(
         "keras_hub.CausalLM.generate",
         "Wrapped: a model on a mesh samples in its distribution's scope (keras-hub places "

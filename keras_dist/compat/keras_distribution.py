@@ -307,9 +307,12 @@ def apply() -> None:
     numpy_ops = _internals._tf_numpy()
     _patch.patch(numpy_ops, "einsum", mesh_ops.einsum_as_one_op(
         _patch.original(numpy_ops, "einsum")), fix=NAME)
+    # 3.15 binds `convert_to_numpy` into `keras.src.backend` too (keras.ops calls it there);
+    # the 3.16 nightlies call it on the ops module only.
     for module in (core, _internals._keras_module("keras.src.backend")()):
-        _patch.patch(module, "convert_to_numpy", mesh_ops.converting_dtensors(
-            _patch.original(module, "convert_to_numpy")), fix=NAME)
+        if _patch.original(module, "convert_to_numpy") is not None:
+            _patch.patch(module, "convert_to_numpy", mesh_ops.converting_dtensors(
+                _patch.original(module, "convert_to_numpy")), fix=NAME)
     import sys
 
     if "keras_hub" in sys.modules:
