@@ -68,6 +68,12 @@ def _fsdp_scenarios():
     out["per_device"] = [sum(keras_dist.parallel.shards(v)[d][1].nbytes for v in variables)
                          for d in range(4)]
     out["bound"] = (total - small) / 4 + small
+    # Model weights are gathered where used; the optimizer's slots are read as stored
+    # (its update runs on the shards: gathering them doubled FSDP's step time).
+    gathered = {v.path: hasattr(v._value, "_keras_dist_compute_layout")
+                for v in model.weights + model.optimizer.variables
+                if "mid" in v.path and "kernel" in v.path}
+    out["gathered"] = sorted(path for path, on in gathered.items() if on)
     out["slot_shards"] = sorted({value.shape for v in model.optimizer.variables
                                  if "mid_kernel" in v.path
                                  for _, value in keras_dist.parallel.shards(v)})
@@ -179,6 +185,7 @@ def test_fsdp_shards_each_large_variable_on_its_largest_divisible_dimension(fsdp
         "down/kernel": (None, None),     # (64, 8): 512 elements, replicated
         "up/bias": (None,), "mid/bias": (None,), "down/bias": (None,)}, fsdp["layouts"]
     assert fsdp["slot_shards"] == [(16, 64)]  # Adam's slots follow their variable
+    assert [path.split("/", 1)[1] for path in fsdp["gathered"]] == ["mid/kernel"]
     assert fsdp["bias_shards"] == [(32,), (32,)]  # min_elements=0 shards the biases too
 
 

@@ -35,6 +35,22 @@ def _d_variable():
     return _keras_module("tensorflow.dtensor.python.d_variable")().DVariable
 
 
+def _name_scope_stack():
+    """Keras's stack of open name scopes (each with the `caller` that opened it)."""
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("name_scope_stack", default=[]) or []
+
+
+def creating_optimizer_variable() -> bool:
+    """Whether the variable being created belongs to an optimizer (a slot, a counter):
+    Keras's `Optimizer.add_variable` creates it in `name_scope(self.name, caller=self)`."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    return any(isinstance(getattr(scope, "caller", None), BaseOptimizer)
+               for scope in _name_scope_stack())
+
+
 def _keras_hub_causal_lm():
     """keras-hub's `CausalLM` (None without keras-hub)."""
     import importlib
@@ -153,6 +169,14 @@ _DISTRIBUTION_INTERNALS = (
         "still distributes its inputs through `distribution_lib.distribution()`",
         lambda: None if _keras_hub_causal_lm() is None else _code_mentions(
             _keras_hub_causal_lm, "generate", r"distribution_lib\.distribution\(\)")()),
+    Internal(
+        "keras.name_scope_stack / BaseOptimizer.add_variable",
+        "An optimizer's variables (created in `name_scope(optimizer.name, caller=optimizer)`)"
+        " are read as stored: FSDP's update runs on the shards, not on gathered slots.",
+        ("distribution",), "`BaseOptimizer.add_variable` still opens a name scope with "
+        "`caller=self`",
+        _code_mentions(lambda: _keras_module("keras.src.optimizers.base_optimizer")()
+                       .BaseOptimizer, "add_variable", r"name_scope\(self\.name, caller=self\)")),
     Internal(
         "keras.Distribution",
         "keras_dist.distribution.FSDP subclasses it (not exported by keras.distribution "

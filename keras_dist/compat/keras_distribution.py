@@ -104,7 +104,9 @@ def _assigning(kind: str, assign):
             return assign(self, value, use_locking=use_locking, name=name,
                           read_value=read_value)
         if kind != "assign":
-            current = self._read_variable_op()
+            # The stored layout, not the compute one: an FSDP weight's update is computed
+            # on its shard (its gradient and slots are sharded alike), not gathered.
+            current = _stored_read(self, _patch.original(type(self), "_read_variable_op"))
             value = dtensor.relayout(
                 current + value if kind == "assign_add" else current - value, self.layout)
         operation = _patch.original(type(self), "assign")(
@@ -115,23 +117,29 @@ def _assigning(kind: str, assign):
     return wrapper
 
 
+def _stored_read(variable, read, no_copy=False):
+    """`variable`'s value in its stored layout: the value last written to it in the
+    function being traced (forwarded), else a read."""
+    import tensorflow as tf
+
+    from keras_dist.distribution import backend
+
+    if tf.executing_eagerly():
+        return read(variable, no_copy=no_copy)
+    backend.mark_graph(variable.layout.mesh)
+    if forward_written_values:
+        entry = _written().get(id(variable))
+        if entry is not None and entry[0] is variable:
+            return tf.identity(entry[1])
+    return read(variable, no_copy=no_copy)
+
+
 def _forwarding_read(read):
     @functools.wraps(read)
     def wrapper(self, no_copy=False):
-        import tensorflow as tf
         from tensorflow.experimental import dtensor
 
-        from keras_dist.distribution import backend
-
-        value = None
-        if not tf.executing_eagerly():
-            backend.mark_graph(self.layout.mesh)
-        if forward_written_values and not tf.executing_eagerly():
-            entry = _written().get(id(self))
-            if entry is not None and entry[0] is self:
-                value = tf.identity(entry[1])
-        if value is None:
-            value = read(self, no_copy=no_copy)
+        value = _stored_read(self, read, no_copy)
         compute = getattr(self, "_keras_dist_compute_layout", None)
         return value if compute is None else dtensor.relayout(value, compute)
 
@@ -259,12 +267,10 @@ def _patch_keras_hub() -> None:
 
 
 def apply_keras_hub() -> None:
-    """The keras-hub part, once keras-hub is imported (while the fix is applied)."""
+    """The keras-hub part, once keras-hub is imported (call it while the fix is applied)."""
     import sys
 
-    from keras_dist import compat
-
-    if "keras_hub" in sys.modules and compat.applied().get(NAME):
+    if "keras_hub" in sys.modules:
         _patch_keras_hub()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from keras_dist.compat._distribution_internals import creating_optimizer_variable
 from keras_dist.distribution import backend
 
 
@@ -93,8 +94,10 @@ def initialize(variable, value, distribution) -> None:
             name=variable.name)
         # Read for compute with the batch axis gathered (FSDP: a weight sharded along the
         # data axis is all-gathered where it is used; its gradient is reduce-scattered).
+        # An optimizer's own variables (slots, counters) are only used by its update, which
+        # runs on the shards: they are read as stored.
         batch = distribution.batch_dim_name
-        if batch in layout.axes:
+        if batch in layout.axes and not creating_optimizer_variable():
             stored = variable._value.layout
             specs = [dtensor.UNSHARDED if spec == batch else spec
                      for spec in stored.sharding_specs]

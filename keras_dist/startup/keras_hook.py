@@ -73,8 +73,11 @@ def _after_import(name: str, then) -> None:
 
 
 def _apply_keras_hub() -> None:
+    from keras_dist import compat
     from keras_dist.compat import keras_distribution
 
+    if not compat.applied().get(keras_distribution.NAME):
+        return
     try:
         keras_distribution.apply_keras_hub()
     except Exception as error:  # never break `import keras_hub`
