@@ -93,7 +93,7 @@ class FSDP(Distribution):
                                       keras.layers.Dense(10)])
             model.compile(optimizer="adam", loss="mse")
         model.fit(x, y, batch_size=32)             # the global batch, 8 rows per device
-        keras_dist.parallel.shards(model.layers[0].kernel)  # 4 x (device, (16, 256))
+        keras_dist.parallel.shards(model.layers[0].kernel)  # 4 x (device, (64, 64))
     """
 
     def __init__(self, device_mesh=None, *, devices=None, batch_dim_name="batch",
