@@ -390,7 +390,7 @@ projections: only those train."""),
     ("code", """def build():
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=len(vocab), num_layers=2, num_query_heads=4, num_key_value_heads=4,
+        vocabulary_size=len(vocab), num_layers=1, num_query_heads=4, num_key_value_heads=4,
         hidden_dim=32, intermediate_dim=64, head_dim=8)
     backbone.enable_lora(8)
     causal_lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
@@ -436,27 +436,25 @@ loss, generated = tune_and_generate(fsdp)
 print("FSDP:      ", words_of(generated[0]))
 assert np.array_equal(generated, reference_tokens)"""),
     ("md", """## What each device stores
-Bytes of the model's variables (params) and of Adam's (slots) on device 0, for one device,
-`DataParallel` (a full copy per device), `ModelParallel` (1, 4) and FSDP. LoRA's adapters and
+Bytes of the model's variables (params) and of Adam's (slots) on device 0, for one device
+(and `DataParallel`, a full copy per device), `ModelParallel` (1, 4) and FSDP. LoRA's adapters and
 their slots are small and replicated; the frozen weights are what sharding saves."""),
     ("code", """def bytes_per_device(model):
     def held(variables):
         return sum(keras_dist.parallel.shards(v)[0][1].nbytes for v in variables)
     return held(model.weights), held(model.optimizer.variables)
 
-with kd.DataParallel(devices=devices).scope():
-    replicated = build()
-replicated.optimizer.build(replicated.trainable_variables)
-rows = {"one device": bytes_per_device(one_device), "DataParallel(4)": bytes_per_device(replicated),
+# DataParallel keeps a full copy on each device: one device's bytes.
+rows = {"one device / DataParallel(4)": bytes_per_device(one_device),
         "ModelParallel (1, 4)": bytes_per_device(sharded), "FSDP (4)": bytes_per_device(fsdp)}
 for name, (params, slots) in rows.items():
-    print(f"{name:22s} params {params / 1024:7.1f} KiB  slots {slots / 1024:6.1f} KiB")"""),
+    print(f"{name:30s} params {params / 1024:7.1f} KiB  slots {slots / 1024:6.1f} KiB")"""),
     ("code", """import matplotlib.pyplot as plt
 
 names = list(rows)
 params = [rows[n][0] / 1024 for n in names]
 slots = [rows[n][1] / 1024 for n in names]
-fig, ax = plt.subplots(figsize=(7, 3))
+fig, ax = plt.subplots(figsize=(8, 2.5))
 ax.barh(names, params, label="params")
 ax.barh(names, slots, left=params, label="optimizer slots")
 ax.set_xlabel("KiB on device 0")

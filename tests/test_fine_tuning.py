@@ -4,7 +4,8 @@ Google's "Distributed tuning with Gemma using Keras" at toy size: a keras-hub Ca
 (random init) with `backbone.enable_lora(4)`, trained with Adam, then sampled greedily, on
 `ModelParallel` (keras-hub's own layout map) (1, 4) and (2, 2), `DataParallel(4)` and
 `keras_dist.distribution.FSDP`, each against the same steps on one device; in float32 and
-in `mixed_bfloat16`. One process (4 virtual CPUs) per backbone; each test asserts one case.
+in `mixed_bfloat16`; and full fine-tuning (Adam) with keras-hub's layouts on (2, 2). One
+process (4 virtual CPUs) per backbone; each test asserts one case.
 """
 
 from __future__ import annotations
@@ -41,14 +42,15 @@ def _workflow(backbone_name):
         "llama": (models.LlamaBackbone, models.LlamaCausalLM)}[backbone_name]
     vocabulary, length = 96, 12
 
-    def build():
+    def build(lora=True):
         keras.utils.set_random_seed(0)
         kwargs = dict(vocabulary_size=vocabulary, num_layers=1, num_query_heads=4,
                       num_key_value_heads=4, hidden_dim=32, intermediate_dim=64)
         if backbone_name == "gemma":
             kwargs["head_dim"] = 8
         backbone = backbone_class(**kwargs)
-        backbone.enable_lora(4)
+        if lora:
+            backbone.enable_lora(4)
         causal_lm = lm_class(backbone=backbone, preprocessor=None)
         causal_lm.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -76,7 +78,7 @@ def _workflow(backbone_name):
         return kd.ModelParallel(layout_map=backbone_class.get_layout_map(mesh),
                                 batch_dim_name="batch")
 
-    def run(name):
+    def run(name, lora=True):
         chosen = distribution(name)
         if name == "fsdp":
             # Created in the distribution's scope, then trained and sampled outside it.
@@ -86,7 +88,8 @@ def _workflow(backbone_name):
             kd.set_distribution(chosen)
         try:
             if name != "fsdp":
-                causal_lm = build()
+                causal_lm = build(lora)
+            forward = np.asarray(causal_lm.predict(x, batch_size=8, verbose=0))
             frozen = {v.path: np.asarray(v) for v in causal_lm.non_trainable_weights}
             history = causal_lm.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
             generated = causal_lm.generate(prompt, stop_token_ids=None)
@@ -95,8 +98,11 @@ def _workflow(backbone_name):
         return {
             "loss": history.history["loss"],
             "trainable": sorted(v.path for v in causal_lm.trainable_weights),
-            "frozen_moved": max(float(np.abs(np.asarray(v) - frozen[v.path]).max())
-                                for v in causal_lm.non_trainable_weights),
+            "frozen_moved": max([float(np.abs(np.asarray(v) - frozen[v.path]).max())
+                                 for v in causal_lm.non_trainable_weights] or [0.0]),
+            "forward": forward,
+            "embedding_shards": [value.shape for _, value in keras_dist.parallel.shards(
+                causal_lm.backbone.token_embedding.embeddings)],
             "weights": [np.asarray(w, "float32") for w in causal_lm.get_weights()],
             "tokens": np.asarray(generated["token_ids"]),
             "sharded": sum(len({value.shape for _, value in keras_dist.parallel.shards(v)})
@@ -111,11 +117,16 @@ def _workflow(backbone_name):
                 "tokens_equal": bool(np.array_equal(got["tokens"], reference["tokens"])),
                 "prompt_kept": bool(np.array_equal(got["tokens"][:, :3],
                                                    prompt["token_ids"][:, :3])),
+                "forward": float(np.abs(got["forward"] - reference["forward"]).max()),
+                "embedding_shards": got["embedding_shards"],
                 "trainable": got["trainable"], "frozen_moved": got["frozen_moved"],
                 "sharded": got["sharded"],
                 "reference_trainable": reference["trainable"]}
 
-    out = {}
+    # Full fine-tuning (every weight, Adam: the token embedding gets a sparse gradient on
+    # one device, summed per id by keras_dist's fix, and a dense one on the mesh).
+    keras_dist.compat.apply(["sparse_duplicates_summed"])
+    out = {"full_mp22": compare(run("mp22", lora=False), run("one_device", lora=False))}
     for policy, meshes in (("float32", MESHES),
                            ("mixed_bfloat16", BF16_MESHES[backbone_name])):
         keras.config.set_dtype_policy(policy)
@@ -148,6 +159,16 @@ def test_lora_fit_and_greedy_generate_equal_one_device_in_float32(workflow, mesh
         assert got["sharded"] > 0, got
 
 
+def test_full_fine_tuning_with_keras_hubs_layouts_equals_one_device(workflow):
+    name, out = workflow
+    got = out["full_mp22"]
+    assert got["forward"] < 1e-5 and got["weights"] < 1e-5 and got["loss"] < 1e-5, got
+    assert got["tokens_equal"], got
+    assert len(got["trainable"]) > 8  # every weight trains
+    # The (96, 32) token embedding on ("model", "batch"): half of each axis per device.
+    assert got["embedding_shards"] == [(48, 16)] * 4, got
+
+
 @pytest.mark.parametrize("mesh", ("mp22", "fsdp"))
 def test_lora_in_mixed_bfloat16_stays_within_bf16_tolerance(workflow, mesh):
     name, out = workflow
@@ -171,7 +192,7 @@ def _generate_on_two_workers():
     kd.initialize()  # the job from TF_CONFIG, as keras-dist launch sets it
     vocabulary, length = 32, 8
 
-    def build():
+    def build(lora=True):
         keras.utils.set_random_seed(0)
         backbone = keras_hub.models.GemmaBackbone(
             vocabulary_size=vocabulary, num_layers=1, num_query_heads=2,
