@@ -77,8 +77,12 @@ def barrier(name: str | None = None, timeout_seconds: float | None = None) -> No
         )
     with _lock:
         barrier_id = f"keras_dist/barrier/{next(_counter)}/{name}"
+    from keras_dist.stall import progress as stall_progress
+
     try:
-        coordination.wait_at_barrier(barrier_id, timeout)
+        # An event for the stall detector: waiting here is ahead of not having arrived.
+        with stall_progress.phase("barrier", name):
+            coordination.wait_at_barrier(barrier_id, timeout)
     except Exception as error:  # TF raises DeadlineExceededError (or Unavailable)
         timed_out = "timed out" in str(error).lower()
         if not timed_out and "deadline" not in type(error).__name__.lower():

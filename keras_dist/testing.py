@@ -15,7 +15,7 @@ import threading
 from typing import Any, Callable, Mapping, Sequence
 
 from keras_dist.launching._core import WorkerError, run_function
-from keras_dist.launching.local import Options
+from keras_dist.launching.options import Options
 from keras_dist.launching.pool import WorkerPool
 
 __all__ = ["Running", "WorkerError", "WorkerPool", "run_in_subprocess", "run_on_workers",
@@ -32,6 +32,7 @@ def run_on_workers(
     env: Mapping[str, str | None] | None = None,
     virtual_devices: int | None = None,
     preload: bool = True,
+    stall_timeout: float | None = None,
 ) -> list:
     """Calls `fn(*args, **kwargs)` on `num_workers` local workers and returns the results.
 
@@ -55,13 +56,15 @@ def run_on_workers(
             `keras_dist.launching.zygote`). Each is still a new process with its own
             TensorFlow runtime, environment and session. `False` starts fresh
             interpreters, for code that must run before TensorFlow is imported.
+        stall_timeout: As `keras-dist launch --stall-timeout` (`None`:
+            `KERAS_DIST_STALL_TIMEOUT`, else the default; 0: off).
 
     Returns:
         The return values, ordered by worker index.
 
     Raises:
-        WorkerError: A worker raised or died; the message names it and includes its
-            traceback.
+        WorkerError: A worker raised, died or was stuck (a stall); the message names
+            it and includes its traceback (or its stacks).
         TimeoutError: The workers did not finish within `timeout`.
 
     Example:
@@ -72,7 +75,8 @@ def run_on_workers(
         [0, 1]
     """
     return run_function("run_on_workers", fn, args, kwargs, num_workers,
-                        Options(env=env, timeout=timeout, preload=preload), virtual_devices)
+                        Options(env=env, timeout=timeout, preload=preload,
+                                stall_timeout=stall_timeout), virtual_devices)
 
 
 def run_in_subprocess(

@@ -22,6 +22,7 @@ from keras_dist.checkpointing.preemption import PREEMPTION_EXIT_CODE
 from keras_dist.checkpointing.step_skipper import StepSkipper
 from keras_dist.cluster import is_chief, num_workers, worker_index
 from keras_dist.data import order
+from keras_dist.stall import progress as stall_progress
 
 __all__ = ["BackupAndRestore"]
 
@@ -171,7 +172,8 @@ class BackupAndRestore(Callback):
         if self._multi_worker:
             _check_same_backup(preemption.gather_rows(strategy, found), self.backup_dir)
         if backup is not None:
-            self._restore(backup)
+            with stall_progress.phase("backup restore", self.backup_dir, slow=True):
+                self._restore(backup)
         if self.handle_sigterm:
             self._sigterm.install()
 
@@ -287,6 +289,11 @@ class BackupAndRestore(Callback):
             raise SystemExit(self.preemption_exit_code)
 
     def _save(self, epoch, step):
+        # The start-up budget, not the stall timeout: a large model's save may be slow.
+        with stall_progress.phase("backup save", self.backup_dir, slow=True):
+            self._write(epoch, step)
+
+    def _write(self, epoch, step):
         if is_chief():
             input_order = order.fit_input(self.model)
             files.write_backup(

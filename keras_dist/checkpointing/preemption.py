@@ -17,6 +17,8 @@ import threading
 
 import numpy as np
 
+from keras_dist.stall import progress as stall_progress
+
 # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM. Schedulers read it
 # as "terminated, retry" (Kubeflow's restartPolicy ExitCode retries codes >= 128).
 PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM
@@ -84,7 +86,10 @@ def gather_rows(strategy, row) -> np.ndarray:
     key = id(strategy)
     if key not in _gather_functions or _gather_functions[key][0] is not strategy:
         _gather_functions[key] = (strategy, _make_gather(strategy))
-    gathered = _gather_functions[key][1](tf.constant(list(row), dtype=tf.int64)).numpy()
+    # An event for the stall detector: a worker waiting here is ahead of one that
+    # never arrived (keras_dist.stall.policy names the one behind).
+    with stall_progress.phase("collective", "keras_dist's all-gather of worker states"):
+        gathered = _gather_functions[key][1](tf.constant(list(row), dtype=tf.int64)).numpy()
     # One row per replica; replicas of one worker are contiguous (chief first).
     per_worker = max(1, len(strategy.extended.worker_devices))
     return gathered[::per_worker]

@@ -227,6 +227,12 @@ _WRITER_INTERNALS = (
         "Other workers wait for the chief's 'complete' (a blocking get).",
         ("strategy",), "attribute lookup on tensorflow.python.eager.context.Context",
         _attribute(_tf_context_class, "get_config_key_value")),
+    Internal(
+        "tf.context.delete_config_key_value",
+        "The stall watchdog rewrites each worker's progress record (a key cannot be "
+        "overwritten).",
+        ("stall",), "attribute lookup on tensorflow.python.eager.context.Context",
+        _attribute(_tf_context_class, "delete_config_key_value")),
 )
 
 # Start-up under a multi-worker TF_CONFIG / Slurm job (keras_dist.startup.early_init): the

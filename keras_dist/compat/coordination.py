@@ -5,7 +5,7 @@ configures it at import under a multi-worker job, `keras_dist.startup.early_init
 barriers that report which tasks did not arrive, and a blocking key-value store; there
 is no public API for either, so every use of `context.context()`'s methods lives here
 (registry entries `tf.context.wait_at_barrier`, `tf.context.set_config_key_value`,
-`tf.context.get_config_key_value`).
+`tf.context.get_config_key_value`, `tf.context.delete_config_key_value`).
 """
 
 from __future__ import annotations
@@ -52,3 +52,8 @@ def set_value(key: str, value: str) -> None:
 def get_value(key: str, timeout_seconds: float) -> str:
     """Waits until `key` is set (by any task) and returns its value."""
     return _context().get_config_key_value(key, max(1, int(timeout_seconds * 1000)))
+
+
+def delete_value(key: str) -> None:
+    """Removes `key` (a key cannot be set again while it exists)."""
+    _context().delete_config_key_value(key)

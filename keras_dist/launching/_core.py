@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from keras_dist import _validation
 from keras_dist.launching import worker as _worker
-from keras_dist.launching.local import Options, run_group
+from keras_dist.launching.local import run_group
+from keras_dist.launching.options import Options
 from keras_dist.launching.processes import signal_name
 
 __all__ = ["WorkerError", "run_function"]  # and the pieces launching.pool shares
@@ -121,6 +122,8 @@ def _collect(records, result, num_workers, caller, timeout) -> list:
                 "were stopped. Their output above (prefixed [worker i]) shows where they "
                 "were; raise `timeout` if the work is just slow."
             )
+        if result.stalled:
+            raise_stall(result, caller)
         failed = result.failed_worker
         if failed is None:  # every worker exited 0, yet one wrote no result (os._exit)
             failed = next(i for i, r in enumerate(records) if not r or r["status"] != "ok")
@@ -136,6 +139,22 @@ def _collect(records, result, num_workers, caller, timeout) -> list:
                 worker_index=index,
             ) from error
     return values
+
+
+def raise_stall(result, caller):
+    """Raises the WorkerError for a launch whose last attempt stalled."""
+    stuck = result.stalled_workers
+    stacks = "\n".join(f"Python stacks of worker {index} (all threads, most recent call "
+                       f"first):\n{text.rstrip() or '(not available)'}"
+                       for index, text in zip(stuck, result.stall_stacks))
+    raise WorkerError(
+        f"{caller}: {result.message.split(': ', 1)[-1]}. The workers were stopped; with "
+        f"`max_restarts` and `keras_dist.callbacks.BackupAndRestore` the run resumes from "
+        f"its backup.\n\n{stacks}",
+        worker_index=stuck[0],
+        traceback_text=result.stall_stacks[0] or None,
+        returncode=result.worker_returncodes[stuck[0]],
+    )
 
 
 def raise_for(index, record, returncodes, num_workers, caller):

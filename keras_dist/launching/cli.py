@@ -1,7 +1,8 @@
 """The `keras-dist` command line (also `python -m keras_dist`): a thin argparse layer.
 
     keras-dist launch --workers N [--min-workers M] [--max-restarts R] [--timeout S]
-                      [--log-dir DIR [--tee]] [--verbose] script.py [script args]
+                      [--stall-timeout S] [--log-dir DIR [--tee]] [--verbose]
+                      script.py [script args]
     keras-dist launch --workers N -m package.module [module args]
     keras-dist info
     keras-dist doctor [--no-self-test]
@@ -36,8 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit code: for `launch`, the `LaunchResult.returncode` (0 when all workers
-        succeeded, the failing worker's code, 124 on timeout, 130 on Ctrl+C); 2 for
-        usage errors.
+        succeeded, the failing worker's code, 124 on timeout, 75 on a stall, 130 on
+        Ctrl+C); 2 for usage errors.
 
     Example:
         >>> main(["launch", "--workers", "2", "train.py", "--epochs", "3"])
@@ -137,6 +138,15 @@ def _add_launch_parser(commands) -> None:
                         "(each shrink is one of the R restarts)")
     launch.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
                         help="stop all workers after S seconds (exit code 124)")
+    launch.add_argument("--stall-timeout", type=_non_negative_float, default=None,
+                        metavar="S",
+                        help="a stall is S seconds in which no worker made progress in a "
+                        "Keras loop: name the workers behind, print their Python stacks, "
+                        "stop the group and restart it (one of --max-restarts); exit code "
+                        "75 when out of restarts. 0 turns it off. Default: "
+                        "KERAS_DIST_STALL_TIMEOUT, else max(300, 20 x the slowest step); "
+                        "start-up, tracing and backups get KERAS_DIST_STARTUP_TIMEOUT "
+                        "(600)")
     launch.add_argument("--grace-period", type=_non_negative_float, default=10.0,
                         metavar="S", help="seconds between SIGTERM and SIGKILL (default 10)")
     launch.add_argument("--no-prefix", action="store_true",
@@ -180,6 +190,12 @@ def _launch_command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.min_workers is not None and args.min_workers > args.workers:
         args.parser.error(f"--min-workers ({args.min_workers}) must be at most --workers "
                           f"({args.workers}): it is the smallest group to shrink to")
+    from keras_dist.stall.policy import stall_timeout
+
+    try:  # KERAS_DIST_STALL_TIMEOUT, checked before any worker starts
+        stall_timeout(args.stall_timeout)
+    except ValueError as error:
+        args.parser.error(str(error))
     if args.module:
         command = [sys.executable, "-m", args.script, *args.script_args]
     else:
@@ -202,6 +218,7 @@ def _launch_command(args: argparse.Namespace, argv: list[str]) -> int:
             tee=args.tee,
             verbose=args.verbose,
             preload=args.preload,
+            stall_timeout=args.stall_timeout,
         )
     except _Terminated as termination:
         return 128 + termination.signum

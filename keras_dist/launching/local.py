@@ -28,7 +28,10 @@ from typing import IO, Mapping, Sequence
 from keras_dist import _validation
 from keras_dist.cluster import make_tf_config
 from keras_dist.launching import output as _output
+from keras_dist.launching.options import Options, checked_command, checked_options, worker_env
+from keras_dist.launching.stall_monitor import StallMonitor
 from keras_dist.launching.shrink import Group, check_min_workers
+from keras_dist.stall.watchdog import STALL_EXIT_CODE
 from keras_dist.startup.group_up import UP_FILE_ENV
 from keras_dist.launching.processes import (
     POLL_INTERVAL,
@@ -38,9 +41,11 @@ from keras_dist.launching.processes import (
     stop_workers,
 )
 
-__all__ = ["LaunchResult", "free_ports", "launch", "launch_script", "TIMEOUT_RETURNCODE"]
+__all__ = ["LaunchResult", "free_ports", "launch", "launch_script", "STALL_RETURNCODE",
+           "TIMEOUT_RETURNCODE"]
 
 TIMEOUT_RETURNCODE = 124  # What GNU `timeout` returns, so shell scripts can tell.
+STALL_RETURNCODE = STALL_EXIT_CODE  # 75, EX_TEMPFAIL: stuck, worth running again
 TAG = "keras-dist launch"
 
 
@@ -50,7 +55,8 @@ class LaunchResult:
 
     Attributes:
         returncode: 0 when every worker succeeded; else the first failing worker's exit
-            code (`128 + signum` when it was killed by a signal), or 124 on timeout.
+            code (`128 + signum` when it was killed by a signal), 124 on timeout, or 75
+            (`STALL_RETURNCODE`) when the last attempt stalled.
         worker_returncodes: Each worker's exit status in the last attempt, as `subprocess`
             reports it (`-N` for signal N), by worker index.
         failed_worker: Index of the worker whose failure stopped the group, else `None`.
@@ -60,6 +66,12 @@ class LaunchResult:
         timed_out: True when the group was stopped because `timeout` elapsed.
         dropped_slots: The worker slots (indices of the first attempt) dropped to shrink
             the group (`min_workers`), in the order they were dropped.
+        stalled: True when the last attempt was stopped for a stall (no worker made
+            progress for the stall timeout, `keras_dist.stall.policy`).
+        stalled_workers: The workers the others waited for in the last stall of the
+            launch (restarted or not), by index; `()` when none stalled.
+        stall_stacks: Their Python stacks (all threads) as they printed them, aligned
+            with `stalled_workers` (`""` where one did not answer).
     """
 
     returncode: int
@@ -69,30 +81,14 @@ class LaunchResult:
     message: str
     timed_out: bool = False
     dropped_slots: tuple[int, ...] = ()
+    stalled: bool = False
+    stalled_workers: tuple[int, ...] = ()
+    stall_stacks: tuple[str, ...] = ()
 
     @property
     def num_workers(self) -> int:
         """How many workers the last attempt ran (fewer than asked after shrinking)."""
         return len(self.worker_returncodes)
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """Everything about a launch but the command and the worker count (validated)."""
-
-    max_restarts: int = 0
-    env: Mapping[str, str | None] | None = None
-    timeout: float | None = None
-    stdout: IO[str] | None = None
-    prefix: bool = True
-    grace_period: float = 10.0
-    log_dir: str | None = None
-    tee: bool = False
-    verbose: bool | None = None
-    set_tf_config: bool = True  # False runs lone processes (run_in_subprocess)
-    min_workers: int | None = None  # None: never shrink
-    # Fork workers from a process that already imported TensorFlow (launching/zygote.py).
-    preload: bool = False
 
 
 def free_ports(n: int) -> list[int]:
@@ -140,6 +136,7 @@ def launch(
     verbose: bool | None = None,
     min_workers: int | None = None,
     preload: bool = False,
+    stall_timeout: float | None = None,
 ) -> LaunchResult:
     """Runs `num_workers` copies of `command` as one local multi-worker cluster.
 
@@ -178,6 +175,11 @@ def launch(
             from a process that already imported TensorFlow and Keras (`launching/
             zygote.py`): it starts in about a second, not a TensorFlow import's seconds.
             What TensorFlow reads at import must then come from the environment.
+        stall_timeout: Seconds in which no worker made progress in a Keras loop that make
+            a stall (`None`: `KERAS_DIST_STALL_TIMEOUT`, else max(300 s, 20 x the slowest
+            step); 0: off; start-up, tracing and backups get the start-up timeout). On a
+            stall the launcher names the workers behind, prints their Python stacks,
+            stops the group and restarts it (one of `max_restarts`).
 
     Returns:
         A `LaunchResult`; `result.returncode` is 0 when all workers succeeded.
@@ -194,29 +196,9 @@ def launch(
         >>> result.returncode
         0
     """
-    options = _checked_options(max_restarts, env, timeout, stdout, prefix, grace_period,
-                               log_dir, tee, verbose, min_workers, preload)
+    options = checked_options(max_restarts, env, timeout, stdout, prefix, grace_period,
+                              log_dir, tee, verbose, min_workers, preload, stall_timeout)
     return run_group(command, num_workers, options)
-
-
-def _checked_options(max_restarts, env, timeout, stdout, prefix, grace_period, log_dir, tee,
-                     verbose, min_workers, preload) -> Options:
-    """`launch()`'s keyword arguments, checked (the rest are checked by `run_group`)."""
-    _validation.check_int("max_restarts", max_restarts, minimum=0)
-    _validation.check_number("grace_period", grace_period, minimum=0, exclusive=False,
-                             unit="seconds")
-    _validation.check_bool("prefix", prefix)
-    _validation.check_bool("tee", tee)
-    _validation.check_bool("preload", preload)
-    if verbose is not None:
-        _validation.check_bool("verbose", verbose)
-    if log_dir is not None:
-        log_dir = os.fspath(log_dir)
-    elif tee:
-        raise ValueError(_validation.message("tee", "False without `log_dir`", tee,
-                                             "Pass log_dir=... to write log files"))
-    return Options(max_restarts, env, timeout, stdout, prefix, grace_period, log_dir, tee,
-                   verbose, min_workers=min_workers, preload=preload)
 
 
 def launch_script(
@@ -264,33 +246,39 @@ def launch_script(
 
 def run_group(command: Sequence[str], num_workers: int, options: Options) -> LaunchResult:
     """The core of every launcher: start, watch, restart (shrinking), summarise."""
-    argv = _check_command(command)
+    argv = checked_command(command)
     _validation.check_int("num_workers", num_workers, minimum=1)
     _validation.check_optional_number("timeout", options.timeout, minimum=0, unit="seconds")
     check_min_workers(options.min_workers, num_workers)
-    base_env = _base_env(options)
+    base_env = worker_env(options)
     if options.log_dir is not None:
         os.makedirs(options.log_dir, exist_ok=True)
     output = _output.Output(options.stdout, log_path(options, "launcher"))
     deadline = None if options.timeout is None else time.monotonic() + options.timeout
     group = Group(list(range(num_workers)), options.min_workers or num_workers)
+    stall_timeout = options.resolved_stall_timeout(base_env)
+    last_stall: dict = {}
     try:
         restarts = 0
         while True:
-            outcome, failed, workers, came_up = _run_attempt(
-                argv, group.slots, base_env, restarts, output, options, deadline)
+            outcome, failed, workers, came_up, stall = _run_attempt(
+                argv, group.slots, base_env, restarts, output, options, deadline,
+                stall_timeout)
             codes = tuple(worker.process.returncode for worker in workers)
             dropped = tuple(group.dropped)
+            if stall is not None:
+                last_stall = _stall_fields(*stall)
             if outcome == "ok":
                 return LaunchResult(0, codes, None, restarts,
                                     f"{TAG}: all {len(codes)} worker(s) succeeded",
-                                    dropped_slots=dropped)
+                                    dropped_slots=dropped, **last_stall)
             if outcome == "timeout":
                 message = f"{TAG}: timed out after {options.timeout:g} s; stopped all workers"
                 output.message(message)
                 return LaunchResult(TIMEOUT_RETURNCODE, codes, None, restarts, message, True,
-                                    dropped)
-            reason = describe_exit(failed, codes[failed])
+                                    dropped, **last_stall)
+            reason = (f"stall: {stall[0].message}" if outcome == "stalled"
+                      else describe_exit(failed, codes[failed]))
             out_of_time = deadline is not None and time.monotonic() >= deadline
             if restarts < options.max_restarts and not out_of_time:
                 restarts += 1
@@ -299,11 +287,20 @@ def run_group(command: Sequence[str], num_workers: int, options: Options) -> Lau
                 continue
             message = f"{TAG}: {reason}" + (f" (after {restarts} restart(s))" if restarts
                                             else "")
+            if outcome == "stalled":
+                output.message(message)
+                return LaunchResult(STALL_RETURNCODE, codes, failed, restarts, message,
+                                    dropped_slots=dropped, stalled=True, **last_stall)
             _summarise(output, workers[failed], reason, message)
             return LaunchResult(_shell_code(codes[failed]), codes, failed, restarts, message,
-                                dropped_slots=dropped)
+                                dropped_slots=dropped, **last_stall)
     finally:
         output.close()
+
+
+def _stall_fields(stall, stacks) -> dict:
+    return {"stalled_workers": stall.behind,
+            "stall_stacks": tuple(stacks.get(index, "") for index in stall.behind)}
 
 
 def _summarise(output, worker, reason, message) -> None:
@@ -318,24 +315,26 @@ def _summarise(output, worker, reason, message) -> None:
     output.message(message)
 
 
-def _run_attempt(argv, slots, base_env, attempt, output, options, deadline):
+def _run_attempt(argv, slots, base_env, attempt, output, options, deadline, stall_timeout):
     """Starts one worker group on `slots` and waits.
 
     Returns:
         (outcome, failed index, workers, whether the group came up: a worker met all
-        its peers, `keras_dist.startup.rendezvous`).
+        its peers, `keras_dist.startup.rendezvous`; (Stall, stacks) when it stalled).
     """
     addresses = [f"127.0.0.1:{port}" for port in free_ports(len(slots))]
     workers: list[Worker] = []
     up_dir = tempfile.mkdtemp(prefix="keras_dist_up_")
+    monitor = StallMonitor(len(slots), stall_timeout, TAG)
     try:
         for index, slot in enumerate(slots):
             env = dict(base_env, KERAS_DIST_RESTART=str(attempt), KERAS_DIST_SLOT=str(slot))
             env[UP_FILE_ENV] = os.path.join(up_dir, f"worker-{index}")
+            env.update(monitor.env(index))
             if options.set_tf_config:
                 env["TF_CONFIG"] = make_tf_config(addresses, index)
             workers.append(Worker.start(index, argv, env, output, options, attempt))
-        outcome = _watch(workers, output, deadline)
+        outcome = _watch(workers, output, deadline, monitor)
     except KeyboardInterrupt:
         output.message(f"{TAG}: interrupted; stopping all workers")
         raise
@@ -346,55 +345,30 @@ def _run_attempt(argv, slots, base_env, attempt, output, options, deadline):
             worker.finish()
         came_up = bool(os.path.isdir(up_dir) and os.listdir(up_dir))
         shutil.rmtree(up_dir, ignore_errors=True)
-    return outcome[0], outcome[1], workers, came_up
+        monitor.close()
+    return outcome[0], outcome[1], workers, came_up, outcome[2]
 
 
-def _watch(workers, output, deadline):
+def _watch(workers, output, deadline, monitor):
     while True:
         codes = [worker.process.poll() for worker in workers]
         failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             output.message(f"{TAG}: {describe_exit(failed[0], codes[failed[0]])}; "
                            "stopping all workers")
-            return "failed", failed[0]
+            return "failed", failed[0], None
         if all(code == 0 for code in codes):
-            return "ok", None
+            return "ok", None, None
         if deadline is not None and time.monotonic() >= deadline:
-            return "timeout", None
+            return "timeout", None, None
+        stall = monitor.poll()
+        if stall is not None:
+            stacks = monitor.show(stall, workers, output)
+            output.message(f"{TAG}: stopping all workers")
+            return "stalled", stall.behind[0], (stall, stacks)
         time.sleep(POLL_INTERVAL)
 
 
 def _shell_code(returncode: int) -> int:
     # The shell's convention, so `keras-dist launch`'s exit code says which failure.
     return 128 - returncode if returncode < 0 else returncode
-
-
-def _base_env(options: Options) -> dict[str, str]:
-    env = options.env
-    merged = dict(os.environ)
-    items = env.items() if isinstance(env, Mapping) else [(None, env)] if env else []
-    for key, value in items:
-        if not isinstance(key, str) or not (value is None or isinstance(value, str)):
-            raise ValueError("Argument `env` must map strings to strings (or None to "
-                             f"unset). Received: env={env!r}")
-        if value is None:
-            merged.pop(key, None)
-        else:
-            merged[key] = value
-    explicit = {key: value for key, value in items if value is not None}
-    _output.quiet_env(merged, _output.is_quiet(options.verbose, merged), explicit)
-    merged["KERAS_DIST_LAUNCHED"] = "1"
-    merged["PYTHONUNBUFFERED"] = "1"  # so output arrives while the worker runs
-    if not options.set_tf_config:
-        merged.pop("TF_CONFIG", None)
-    return merged
-
-
-def _check_command(command) -> list[str]:
-    if (isinstance(command, (str, bytes)) or not isinstance(command, Sequence) or not command
-            or not all(isinstance(part, (str, os.PathLike)) for part in command)):
-        raise ValueError(
-            "Argument `command` must be a non-empty list of strings (an argv such as "
-            f"[sys.executable, 'train.py']). Received: command={command!r}"
-        )
-    return [os.fspath(part) for part in command]

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from keras_dist import _validation
 from keras_dist.launching._core import WorkerError, run_function
-from keras_dist.launching.local import Options
+from keras_dist.launching.options import Options
 
 __all__ = ["WorkerError", "notebook_launcher"]
 
@@ -30,6 +30,7 @@ def notebook_launcher(
     min_workers: int | None = None,
     max_restarts: int = 0,
     preload: bool = False,
+    stall_timeout: float | None = None,
 ) -> list:
     """Calls `fn(*args, **kwargs)` on `num_workers` local worker processes.
 
@@ -58,14 +59,20 @@ def notebook_launcher(
             notebook that launches again and again starts its workers in about a second
             instead of paying a TensorFlow import each time. Settings TensorFlow reads at
             import must then come from `env` or the environment.
+        stall_timeout: Seconds in which no worker made progress in a Keras loop that make
+            a stall, as `keras-dist launch --stall-timeout` (`None`:
+            `KERAS_DIST_STALL_TIMEOUT`, else the default; 0: off). A stall stops the
+            workers and, past `max_restarts`, raises `WorkerError` naming the stuck
+            worker, with its Python stacks.
 
     Returns:
         The return values of the last attempt's workers, ordered by worker index (fewer
         than `num_workers` after shrinking).
 
     Raises:
-        WorkerError: A worker raised (the message names it and contains its traceback)
-            or died without a result (the message gives its exit code or signal).
+        WorkerError: A worker raised (the message names it and contains its traceback),
+            died without a result (the message gives its exit code or signal), or was
+            stuck (the message names it and shows its stacks).
         TimeoutError: `timeout` elapsed; every worker was stopped.
         TypeError: `fn` or its arguments cannot be pickled.
         ValueError: An argument is invalid.
@@ -80,6 +87,10 @@ def notebook_launcher(
     """
     _validation.check_int("max_restarts", max_restarts, minimum=0)
     _validation.check_bool("preload", preload)
+    _validation.check_optional_number("stall_timeout", stall_timeout, minimum=0,
+                                      exclusive=False, unit="seconds",
+                                      hint="Pass 0 to turn stall detection off.")
     return run_function("notebook_launcher", fn, args, kwargs, num_workers,
                         Options(env=env, timeout=timeout, max_restarts=max_restarts,
-                                min_workers=min_workers, preload=preload), virtual_devices)
+                                min_workers=min_workers, preload=preload,
+                                stall_timeout=stall_timeout), virtual_devices)

@@ -197,6 +197,15 @@ class WorkerStream:
             self._output.line(self.label + line)
 
 
+def pass_on(pipe, verbose: bool) -> None:
+    """Copies a helper process's output (bytes) to stderr, TensorFlow's noise left out."""
+    for raw in pipe:
+        line = raw.decode("utf-8", "replace")
+        if verbose or not NOISE.search(line):
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+
 def pump(pipe, stream: WorkerStream) -> None:
     """Reads `pipe` until EOF, in chunks as they arrive, into `stream`."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -42,7 +42,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from keras_dist.launching import _core
 from keras_dist.launching import worker as _worker
-from keras_dist.launching.local import Options, run_group
+from keras_dist.launching.local import run_group
+from keras_dist.launching.options import Options
 
 __all__ = ["WorkerPool"]
 

@@ -143,7 +143,13 @@ class _Zygote:
         env.pop("TF_CONFIG", None)
         self.process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), self.path, str(os.getpid())],
-            env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        # Its own output: TensorFlow's import chatter (absl's ignores TF_CPP_MIN_LOG_LEVEL).
+        from keras_dist.launching.output import pass_on
+        threading.Thread(target=pass_on, daemon=True, name="keras-dist-zygote-output",
+                         args=(self.process.stdout, env.get("KERAS_DIST_TF_LOGS") == "1")
+                         ).start()
         self._ready = False
 
     def alive(self) -> bool:

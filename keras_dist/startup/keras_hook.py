@@ -1,4 +1,5 @@
-"""`import keras_dist` makes `keras.distribution` work on TensorFlow, before or after Keras.
+"""`import keras_dist` makes `keras.distribution` work on TensorFlow, before or after Keras,
+and makes Keras's loops report their progress (`keras_dist.stall.keras_loops`).
 
 The `keras_distribution_on_tensorflow` fix patches Keras's TensorFlow backend, which
 exists only once Keras is imported (and importing Keras imports TensorFlow, which
@@ -18,7 +19,14 @@ import warnings
 def _apply() -> None:
     from keras_dist import compat
     from keras_dist.compat import _keras_tf, keras_distribution
+    from keras_dist.stall import keras_loops
 
+    try:  # every backend: Keras's loops report progress for stall detection
+        keras_loops.install()
+    except Exception as error:  # never break `import keras`
+        warnings.warn(f"keras_dist could not follow Keras's loops for stall detection "
+                      f"({type(error).__name__}: {error}); stalls go unnoticed in this "
+                      "process.", RuntimeWarning, stacklevel=2)
     try:
         if _keras_tf.uses_tensorflow_backend():
             compat.apply(names=(keras_distribution.NAME,))

@@ -3,6 +3,8 @@
 Usage: ft_train.py OUT_DIR [--epochs E] [--backup DIR] [--save-freq epoch|N]
                    [--crash WORKER:EPOCH:BATCH] [--pause WORKER:EPOCH:BATCH]
                    [--exit-code-on-preemption C|none] [--collective-timeout S]
+                   [--stuck WORKER:EPOCH:BATCH:sleep|spin] [--slow WORKER:SECONDS]
+                   [--validate]
 
 Every worker appends `attempt <a> epoch <e>` to OUT_DIR/epochs-<i>.txt at each epoch start
 and writes its pid to OUT_DIR/pid-<i>-<a>, and after `fit` its final weights to
@@ -15,6 +17,11 @@ of an uninterrupted one.
 --pause W:E:B   on worker W at the end of batch B of epoch E, write OUT_DIR/paused-<W>
                 and wait (up to 60 s) until OUT_DIR/go exists; the test signals or
                 kills the worker meanwhile.
+--stuck W:E:B:H at the end of batch B of epoch E, worker W gets stuck for good, alive:
+                sleeping (H=sleep) or in a Python busy loop (H=spin); once per OUT_DIR
+                (it writes OUT_DIR/stuck-<W> first), so a restarted run goes on.
+--slow W:S      worker W sleeps S seconds in every batch (slow, but progressing).
+--validate      evaluate on the training data after every epoch (`validation_data`).
 """
 
 import argparse
@@ -33,6 +40,9 @@ parser.add_argument("--crash", default=None)
 parser.add_argument("--pause", default=None)
 parser.add_argument("--exit-code-on-preemption", default="143")
 parser.add_argument("--collective-timeout", type=float, default=None)
+parser.add_argument("--stuck", default=None)
+parser.add_argument("--slow", default=None)
+parser.add_argument("--validate", action="store_true")
 args = parser.parse_args()
 
 # First: it applies the Keras multi-worker fixes.
@@ -51,7 +61,24 @@ with open(os.path.join(args.out_dir, f"pid-{index}-{attempt}"), "w") as file:
 
 
 def where(spec):
-    return tuple(int(part) for part in spec.split(":")) if spec else (None, None, None)
+    return tuple(int(part) for part in spec.split(":")[:3]) if spec else (None, None, None)
+
+
+def get_stuck(how):
+    marker = os.path.join(args.out_dir, f"stuck-{index}")
+    if os.path.exists(marker):
+        return
+    with open(marker, "w") as file:
+        file.write(how)
+    print(f"worker {index} is stuck ({how}) at epoch {stuck_at[1]} batch {stuck_at[2]}",
+          flush=True)
+    while True:
+        if how == "sleep":
+            time.sleep(3600)
+
+
+stuck_at = where(args.stuck)
+slow_worker, slow_seconds = (args.slow.split(":") if args.slow else (None, 0))
 
 
 class Events(keras.callbacks.Callback):
@@ -61,6 +88,10 @@ class Events(keras.callbacks.Callback):
             file.write(f"attempt {attempt} epoch {epoch}\n")
 
     def on_train_batch_end(self, batch, logs=None):
+        if (index, self.epoch, batch) == stuck_at:
+            get_stuck(args.stuck.split(":")[3])
+        if slow_worker is not None and index == int(slow_worker):
+            time.sleep(float(slow_seconds))
         if (index, self.epoch, batch) == where(args.crash) and attempt == 0:
             print(f"worker {index} crashing at epoch {self.epoch} batch {batch}", flush=True)
             os._exit(3)
@@ -91,7 +122,8 @@ if args.backup:
     save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
     callbacks.append(BackupAndRestore(args.backup, save_freq=save_freq,
                                       preemption_exit_code=exit_code))
-model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
+model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks,
+          validation_data=dataset if args.validate else None)
 np.savez(os.path.join(args.out_dir, f"weights-{index}.npz"), *model.get_weights())
 print(f"worker {index} finished", flush=True)
 sys.exit(0)
