@@ -146,6 +146,18 @@ def test_fit_reports_its_steps_phases_evaluation_and_backups_in_this_process(tmp
     after = progress.current().record()
     assert (after["loop"], after["phase"]) == (None, "outside Keras loops")
 
+    # A fit that raises never reaches on_train_end; the process is still outside after it
+    # (else an idle worker that caught the error would count as stuck in fit).
+    class Raises(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise RuntimeError("a callback failed")
+
+    with pytest.raises(RuntimeError, match="a callback failed"):
+        model.fit(features, features[:, :1], epochs=1, verbose=0, callbacks=[Raises()])
+    after = progress.current().record()
+    assert (after["loop"], after["phase"], after["slow"]) == (None, "outside Keras loops",
+                                                              False)
+
 
 # ---------------------------------------------------------------------------------------
 # Real worker groups

@@ -8,7 +8,10 @@ order: `on_train_begin`, `on_epoch_begin`, `on_train_batch_begin`, the step,
 `install()` wraps those public methods on the class, once: each hook records one event
 before it runs the user's callbacks (so a callback that never returns is seen *in* that
 hook) and where the loop is once they returned (a batch hook returning means the step is
-running). The first `fit`/`evaluate`/`predict` of a process starts the reporter
+running). A loop that raises never reaches its end hook, so `keras.Model`'s `fit`,
+`evaluate` and `predict` are wrapped too: whatever way they return, the loops they began
+are over (else a process that caught the error would count as "in fit" while idle). The
+first `fit`/`evaluate`/`predict` of a process starts the reporter
 (`keras_dist.stall.reporter`). Cost per batch: a few attribute stores, no I/O.
 """
 
@@ -30,6 +33,7 @@ _BATCH_ENDS = {"on_train_batch_end": True, "on_test_batch_end": False,
                "on_predict_batch_end": False}
 HOOKS = (*_LOOPS, *_LOOP_ENDS, *_BATCH_BEGINS, *_BATCH_ENDS, "on_epoch_begin",
          "on_epoch_end")
+ENTRIES = ("fit", "evaluate", "predict")
 
 
 def _first_step(callbacks) -> int | None:
@@ -87,8 +91,23 @@ def _wrap(name: str, method):
     return hooked
 
 
+def _wrap_entry(method):
+    @functools.wraps(method)
+    def entry(self, *args, **kwargs):
+        progress = _progress.current()
+        depth = len(progress._loops)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            progress.loops_ended_to(depth)
+
+    setattr(entry, _MARK, method)
+    return entry
+
+
 def install() -> None:
-    """Wraps `keras.callbacks.CallbackList`'s loop hooks (once; Keras must be imported)."""
+    """Wraps `keras.callbacks.CallbackList`'s loop hooks and `keras.Model`'s loops (once;
+    Keras must be imported)."""
     import keras
 
     cls = keras.callbacks.CallbackList
@@ -96,9 +115,14 @@ def install() -> None:
         method = cls.__dict__.get(name) or getattr(cls, name)
         if not hasattr(method, _MARK):
             setattr(cls, name, _wrap(name, method))
+    for name in ENTRIES:
+        method = getattr(keras.Model, name)
+        if not hasattr(method, _MARK):
+            setattr(keras.Model, name, _wrap_entry(method))
 
 
 def installed() -> bool:
     import keras
 
-    return all(hasattr(getattr(keras.callbacks.CallbackList, name), _MARK) for name in HOOKS)
+    return (all(hasattr(getattr(keras.callbacks.CallbackList, name), _MARK) for name in HOOKS)
+            and all(hasattr(getattr(keras.Model, name), _MARK) for name in ENTRIES))

@@ -78,6 +78,13 @@ class Progress:
         if self._loops:
             self._loops.pop()
 
+    def loops_ended_to(self, depth: int) -> None:
+        """`fit`/`evaluate`/`predict` returned or raised: the loops it began are over."""
+        if len(self._loops) > depth:
+            del self._loops[depth:]
+            self.where(OUTSIDE if not self._loops else "between steps",
+                       self._loops[-1].kind if self._loops else None)
+
     def epoch_began(self) -> None:
         # An epoch's first batch re-creates the input iterator (a shuffle buffer fills,
         # files open): it gets the start-up budget, and is no measure of a step.
