@@ -15,6 +15,8 @@ _GOALS = {
     ("memory", "ratio"): "< 1",
     ("model_parallel", "bytes_ratio"): "~ 1/2 (+ replicated)",
     ("model_parallel", "fsdp_bytes_ratio"): "~ 1/4 (+ replicated)",
+    ("checkpoint", "save_step_ratio"): "<= 1.5",
+    ("checkpoint", "bytes_ratio"): "<= 1.0",
 }
 
 
@@ -129,6 +131,17 @@ def _rows(results: dict) -> list[tuple]:
                 "DataParallel(4)", parallel["fsdp_bytes_ratio"])
             add("model_parallel", "fsdp_step_dp", "step time FSDP / DataParallel(4)",
                 parallel["fsdp_step_vs_data_parallel"], 2)
+    checkpoint = results.get("checkpoint")
+    if checkpoint and "save_step_ratio" in checkpoint:
+        add("checkpoint", "save_step_ratio", f"step with a sharded backup / without (FSDP, "
+            f"{checkpoint['state_mb']:.0f} MB of state, every 4 steps)",
+            checkpoint["save_step_ratio"], 2)
+        add("checkpoint", "whole_save_step_ratio", "the same with the whole-value file",
+            checkpoint["whole_save_step_ratio"], 2)
+        add("checkpoint", "bytes_ratio", "bytes written per backup sharded / whole",
+            checkpoint["bytes_ratio"])
+        add("checkpoint", "restore_ratio", "restore time sharded / whole",
+            checkpoint["restore_ratio"], 2)
     for name, result in results.items():
         if isinstance(result, dict) and "error" in result:
             rows.append((name, "failed", result["error"].splitlines()[0][:80], ""))

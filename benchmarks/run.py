@@ -9,7 +9,7 @@
 Every figure is a ratio against plain tf.distribute (the seed's way) measured in the
 same run (pipeline: against GPipe's bubble model; engine: against a numpy + socket ring).
 Benchmarks: overhead, input_speed, scaling, input_sharding, communication, memory, sparse_accumulation,
-pipeline, buckets, engine, model_parallel (one module each in benchmarks/); `--only buckets --link-rate
+pipeline, buckets, engine, model_parallel, checkpoint (one module each in benchmarks/); `--only buckets --link-rate
 1gbit,10gbit` repeats the bucket-size sweep behind simulated links. The JSON goes to
 `--output` (default
 benchmarks/results/results.json), the plot `scaling_bandwidth.png` next to it, and a
@@ -36,7 +36,8 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 BENCHMARKS = ("overhead", "input_speed", "scaling", "input_sharding", "communication", "memory",
-              "sparse_accumulation", "pipeline", "buckets", "engine", "model_parallel")
+              "sparse_accumulation", "pipeline", "buckets", "engine", "model_parallel",
+              "checkpoint")
 _DEVICE_AWARE = ("overhead", "communication")  # take --device/--replicas/... options
 # Only on request (`--link-rate` or `--only linksim`): it needs root or CAP_NET_ADMIN.
 OPTIONAL = ("linksim",)

@@ -116,7 +116,8 @@ def worker_pool():
 # together (pytest-xdist hands out whole modules in this order -- the modules on the
 # shared worker pool as one, placed by its first module here -- the rest follow in
 # collection order). Measured: each module's wall time in the slow lane.
-LONGEST_FIRST = ("test_tutorials", "test_fine_tuning", "test_custom_steps", "test_stock_optimizer",
+LONGEST_FIRST = ("test_tutorials", "test_stall", "test_fine_tuning", "test_custom_steps",
+                 "test_stock_optimizer",
                  "test_sparse_gradients", "test_fault_tolerance", "test_ray",
                  "test_elastic_launch", "test_parallel_pipeline", "test_notebook_launcher",
                  "test_keras_distribution", "test_benchmarks", "test_rendezvous",

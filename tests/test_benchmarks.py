@@ -33,6 +33,7 @@ REQUIRED = {
     "model_parallel": ("bytes_ratio", "bytes_ratio_1x4", "step_ratio_vs_data_parallel",
                        "step_ratio_vs_strategy", "fsdp_bytes_ratio",
                        "fsdp_step_vs_data_parallel"),
+    "checkpoint": ("save_step_ratio", "bytes_ratio", "restore_ratio", "state_mb"),
 }
 
 
@@ -52,6 +53,17 @@ def _run_smoke(name, tmp_path):
     for key in REQUIRED[name]:
         assert _positive_finite(result[key]), f"{name}.{key} = {result.get(key)!r}"
     return results, result
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_checkpoint_smoke(tmp_path):
+    _, result = _run_smoke("checkpoint", tmp_path)
+    whole, sharded = result["variants"]["whole"], result["variants"]["sharded"]
+    assert whole["state_bytes"] == sharded["state_bytes"]
+    # One copy of each value, in blocks; the whole file adds only HDF5's own structure.
+    assert sharded["bytes_written"] == sharded["state_bytes"] < whole["bytes_written"]
 
 
 @pytest.mark.timeout(180)

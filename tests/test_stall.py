@@ -263,9 +263,11 @@ def test_launcher_finds_a_sleeping_worker_within_60_s_names_it_and_resumes_exact
 @pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_launcher_finds_a_spinning_chief_with_the_stall_timeout_flag(tmp_path, reference):
+    # 10 s, not 30 (the test above runs the 30): the flag wins over the variable.
     run, code, out_dir = _launch_stuck(tmp_path, f"0:{STUCK_AT_STEP_30}:spin",
-                                       "--stall-timeout", "30")
-    _check_detected_and_resumed(run, code, out_dir, reference, 0, "spin", within=60)
+                                       "--stall-timeout", "10",
+                                       env={"KERAS_DIST_STALL_TIMEOUT": "300"})
+    _check_detected_and_resumed(run, code, out_dir, reference, 0, "spin", within=40)
 
 
 @pytest.mark.multiworker

@@ -2,7 +2,10 @@
 
 Modules: `backup_and_restore` (the callback), `files` (the atomic on-disk format),
 `preemption` (SIGTERM and the agreement collective), `step_skipper` (mid-epoch resume),
-`chief_outputs` (`chief_path`, `verbose`, ModelCheckpoint/TensorBoard drop-ins).
+`chief_outputs` (`chief_path`, `verbose`, ModelCheckpoint/TensorBoard drop-ins),
+`shards` + `sharded_state` (`save_state` / `restore_state`: a model's and optimizer's
+state, each process writing only the blocks it holds, restored onto any mesh, process
+count or one device).
 
 `BackupAndRestore` lets a training run that was killed, crashed or preempted continue
 where it stopped when the script is started again (by `keras-dist launch
@@ -31,6 +34,7 @@ from keras_dist.checkpointing.chief_outputs import (
 from keras_dist.checkpointing.files import BackupError
 from keras_dist.checkpointing.pairing import StockWriterError
 from keras_dist.checkpointing.preemption import PREEMPTION_EXIT_CODE
+from keras_dist.checkpointing.sharded_state import restore_state, save_state
 
 __all__ = [
     "BackupAndRestore",
@@ -40,5 +44,7 @@ __all__ = [
     "PREEMPTION_EXIT_CODE",
     "StockWriterError",
     "chief_path",
+    "restore_state",
+    "save_state",
     "verbose",
 ]

@@ -12,11 +12,10 @@ import shutil
 import sys
 import tempfile
 
-import numpy as np
-
 from keras_dist import _validation
 from keras_dist.callbacks.base import Callback
-from keras_dist.checkpointing import elastic, files, preemption, step_state
+from keras_dist.checkpointing import elastic, files, preemption, sharded_state, step_state
+from keras_dist.checkpointing.background import BackgroundWrite
 from keras_dist.checkpointing.files import BackupError
 from keras_dist.checkpointing.preemption import PREEMPTION_EXIT_CODE
 from keras_dist.checkpointing.step_skipper import StepSkipper
@@ -123,7 +122,7 @@ class BackupAndRestore(Callback):
         preemption_check_freq: int = 1,
     ):
         super().__init__()
-        self.backup_dir = _check_backup_dir(backup_dir)
+        self.backup_dir = files.check_backup_dir(backup_dir)
         if save_freq != "epoch" and not (_validation.is_int(save_freq) and save_freq >= 1):
             raise ValueError(_validation.message(
                 "save_freq", "'epoch' or an integer >= 1 (a number of batches)", save_freq))
@@ -145,6 +144,7 @@ class BackupAndRestore(Callback):
         self.preemption_exit_code = preemption_exit_code
         self.preempted = False
         self._sigterm = preemption.SigtermFlag()
+        self._writing = BackgroundWrite()
         self._reset_run_state()
 
     def _reset_run_state(self):
@@ -170,7 +170,8 @@ class BackupAndRestore(Callback):
         backup = files.read_backup(self.backup_dir)
         found = (1, backup.epoch, backup.step, backup.seq) if backup else (0, 0, 0, 0)
         if self._multi_worker:
-            _check_same_backup(preemption.gather_rows(strategy, found), self.backup_dir)
+            files.check_same_backup(preemption.gather_rows(strategy, found), self.backup_dir)
+        self._next_seq = files.next_seq(self.backup_dir)
         if backup is not None:
             with stall_progress.phase("backup restore", self.backup_dir, slow=True):
                 self._restore(backup)
@@ -209,6 +210,7 @@ class BackupAndRestore(Callback):
             self._stop_for_preemption(epoch + 1, 0, saved=self.save_freq == "epoch")
 
     def on_train_end(self, logs=None):
+        self._writing.wait()  # the last backup is complete (or its error raised) first
         self._sigterm.uninstall()
         if self._skipper is not None:
             self._skipper.remove(self.model)
@@ -268,6 +270,7 @@ class BackupAndRestore(Callback):
             epoch, step = epoch + 1, 0
         if not saved:
             self._save(epoch, step)
+        self._writing.wait()
         if self._multi_worker:
             # Barrier: nobody exits (and gets its peers killed) before the chief's backup
             # is complete on disk.
@@ -294,7 +297,9 @@ class BackupAndRestore(Callback):
             self._write(epoch, step)
 
     def _write(self, epoch, step):
-        if is_chief():
+        if sharded_state.is_sharded(self.model):
+            self._write_sharded(epoch, step)
+        elif is_chief():
             input_order = order.fit_input(self.model)
             files.write_backup(
                 self.backup_dir, self._save_weights, epoch, step, num_workers(),
@@ -310,12 +315,36 @@ class BackupAndRestore(Callback):
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
 
+    def _write_sharded(self, epoch, step):
+        """Under a distribution: this process's blocks, snapshotted now, written in the
+        background (`checkpointing/shards.py`); the chief commits once all are there."""
+        self._writing.wait()
+        state = sharded_state.snapshot(self.model)
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        directory = os.path.join(self.backup_dir, files.state_name(seq))
+        input_order = order.fit_input(self.model)
+        chief, workers = is_chief(), num_workers()
+        replicas = int(self.model.distribute_strategy.num_replicas_in_sync)
+
+        def write():
+            sharded_state.write_snapshot(state, directory, {"epoch": epoch, "step": step},
+                                         commit=chief)
+            if chief:
+                files.commit_state(
+                    self.backup_dir, seq, epoch, step, workers, num_replicas=replicas,
+                    input_order=input_order.to_json() if input_order else None)
+
+        self._writing.submit(directory, write)
+
     def _save_weights(self, path):
         step_state.mark_built(self.model)
         self.model.save_weights(path, overwrite=True)
 
     def _load(self, path):
         step_state.mark_built(self.model)
+        if path.endswith(".state"):
+            sharded_state.restore_state(self.model, path)
+            return
         try:
             self.model.load_weights(path)
         except (ValueError, KeyError, OSError) as error:
@@ -343,41 +372,3 @@ class _LoadOnFirstStep:
         if self.model.train_function is self:
             self.model.train_function = self.function
         return self.function(iterator)
-
-
-def _check_backup_dir(backup_dir) -> str:
-    if isinstance(backup_dir, os.PathLike):
-        backup_dir = os.fspath(backup_dir)
-    if not isinstance(backup_dir, str):
-        raise TypeError(
-            "Argument `backup_dir` must be a directory path (str or os.PathLike). "
-            f"Received: backup_dir={backup_dir!r} of type {type(backup_dir).__name__}"
-        )
-    if not backup_dir:
-        raise ValueError("Argument `backup_dir` must be a non-empty directory path. "
-                         "Received: backup_dir=''")
-    if os.path.exists(backup_dir) and not os.path.isdir(backup_dir):
-        raise ValueError(
-            f"Argument `backup_dir` must be a directory, but {backup_dir!r} is a file. "
-            "Give BackupAndRestore a directory of its own."
-        )
-    return backup_dir
-
-
-def _check_same_backup(rows: np.ndarray, backup_dir: str) -> None:
-    chief = tuple(rows[0])
-    differ = [i for i, row in enumerate(rows) if tuple(row) != chief]
-    if not differ:
-        return
-
-    def describe(row):
-        return (f"backup at epoch {row[1]} batch {row[2]} (#{row[3]})" if row[0]
-                else "no backup")
-
-    details = "; ".join(f"worker {i}: {describe(row)}" for i, row in enumerate(rows))
-    raise RuntimeError(
-        f"BackupAndRestore: the workers do not see the same backup in {backup_dir!r} "
-        f"(workers {differ} differ from the chief): {details}. `backup_dir` must be on "
-        "a filesystem shared by all workers (e.g. NFS or a shared volume) so that all "
-        "of them resume from the chief's backup."
-    )

@@ -4,6 +4,9 @@ A backup directory holds at most one *current* backup:
 
     backup.json                     written last; names the weights file and its checksum
     backup-000007.weights.h5        the Keras weights (model + optimizer), never overwritten
+    backup-000007.state/            or, under a keras.distribution distribution, the sharded
+                                    state (`checkpointing/shards.py`): each process's blocks
+                                    and an index; the checksum is the index's
 
 Saving writes the weights to a hidden temporary file in the same directory, fsyncs it,
 `os.replace`s it to a new, never-used name (the sequence number grows), then writes
@@ -21,13 +24,15 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import time
 import uuid
 from typing import Callable
 
 METADATA_NAME = "backup.json"
 FORMAT = "keras_dist.BackupAndRestore/1"
-_WEIGHTS_RE = re.compile(r"^backup-(\d{6,})\.weights\.h5$")
+_WEIGHTS_RE = re.compile(r"^backup-(\d{6,})\.(weights\.h5|state)$")
+STATE_INDEX = "index.json"  # shards.INDEX_NAME
 _TMP_PREFIX = ".tmp-keras-dist-"
 
 
@@ -114,13 +119,15 @@ def read_backup(directory: str, verify: bool = True) -> Backup | None:
             "start training from scratch."
         ) from None
     weights_path = os.path.join(directory, weights_name)
-    if not os.path.isfile(weights_path):
+    checked = (os.path.join(weights_path, STATE_INDEX) if weights_name.endswith(".state")
+               else weights_path)
+    if not os.path.isfile(checked):
         raise BackupError(
             f"The backup metadata {metadata_path!r} names {weights_name!r}, which is "
             "missing from the directory. Is the directory shared between hosts but not "
             "fully synchronised? Delete it to start training from scratch."
         )
-    if verify and sha256_of(weights_path) != sha256:
+    if verify and sha256_of(checked) != sha256:
         raise BackupError(
             f"The backup weights {weights_path!r} do not match the checksum in "
             f"{metadata_path!r}: the file was changed or damaged after it was saved. "
@@ -154,32 +161,68 @@ def write_backup(
         sha256 = sha256_of(temporary)
         weights_path = os.path.join(directory, weights_name)
         os.replace(temporary, weights_path)
-        metadata = {
-            "format": FORMAT,
-            "epoch": epoch,
-            "step": step,
-            "seq": seq,
-            "weights": weights_name,
-            "sha256": sha256,
-            "bytes": os.path.getsize(weights_path),
-            "num_workers": num_workers,
-            "num_replicas": num_replicas,
-            "input": input_order,
-            "files": [weights_name, METADATA_NAME],
-            "saved_at": time.time(),
-        }
-        temporary = temporary_name(directory, ".json")
-        with open(temporary, "w") as file:
-            json.dump(metadata, file, indent=1)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, os.path.join(directory, METADATA_NAME))
-        _fsync_dir(directory)
+        temporary = _write_metadata(directory, weights_name, sha256,
+                                    os.path.getsize(weights_path), epoch, step, seq,
+                                    num_workers, num_replicas, input_order)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
     _remove_stale(directory, keep=weights_name)
     return Backup(epoch, step, seq, weights_path, num_workers, num_replicas, input_order)
+
+
+def commit_state(directory: str, seq: int, epoch: int, step: int, num_workers: int, *,
+                 num_replicas: int | None = None, input_order: dict | None = None) -> Backup:
+    """Makes the complete sharded state `backup-<seq>.state` the current backup."""
+    name = state_name(seq)
+    path = os.path.join(directory, name)
+    size = sum(os.path.getsize(os.path.join(path, entry)) for entry in os.listdir(path))
+    temporary = _write_metadata(directory, name, sha256_of(os.path.join(path, STATE_INDEX)),
+                                size, epoch, step, seq, num_workers, num_replicas,
+                                input_order)
+    if os.path.exists(temporary):
+        os.remove(temporary)
+    _remove_stale(directory, keep=name, below=seq)
+    return Backup(epoch, step, seq, path, num_workers, num_replicas, input_order)
+
+
+def state_name(seq: int) -> str:
+    return f"backup-{seq:06d}.state"
+
+
+def next_seq(directory: str) -> int:
+    """The sequence number the next backup in `directory` takes."""
+    try:
+        previous = read_backup(directory, verify=False)
+    except BackupError:
+        previous = None
+    return _next_seq(directory, previous) if os.path.isdir(directory) else 1
+
+
+def _write_metadata(directory, name, sha256, size, epoch, step, seq, num_workers,
+                    num_replicas, input_order) -> str:
+    metadata = {
+        "format": FORMAT,
+        "epoch": epoch,
+        "step": step,
+        "seq": seq,
+        "weights": name,
+        "sha256": sha256,
+        "bytes": size,
+        "num_workers": num_workers,
+        "num_replicas": num_replicas,
+        "input": input_order,
+        "files": [name, METADATA_NAME],
+        "saved_at": time.time(),
+    }
+    temporary = temporary_name(directory, ".json")
+    with open(temporary, "w") as file:
+        json.dump(metadata, file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, os.path.join(directory, METADATA_NAME))
+    _fsync_dir(directory)
+    return temporary
 
 
 def delete_backup(directory: str) -> None:
@@ -206,15 +249,59 @@ def _next_seq(directory: str, previous: Backup | None) -> int:
     return max(seqs, default=0) + 1
 
 
-def _remove_stale(directory: str, keep: str | None) -> None:
+def _remove_stale(directory: str, keep: str | None, below: int | None = None) -> None:
     for name in os.listdir(directory):
         if name == keep:
             continue
+        match = _WEIGHTS_RE.match(name)
+        # A sharded save in flight (the others' blocks of a later save) is not stale.
+        if match and below is not None and int(match.group(1)) >= below:
+            continue
         # Only the chief writes here, one save at a time, so any other temporary file
         # is an orphan of a save that crashed (possibly in an earlier attempt).
-        if _WEIGHTS_RE.match(name) or name.startswith(_TMP_PREFIX):
+        if match or (name.startswith(_TMP_PREFIX) and below is None):
+            path = os.path.join(directory, name)
             try:
-                os.remove(os.path.join(directory, name))
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             except OSError:
                 pass
 
+
+def check_backup_dir(backup_dir) -> str:
+    """`backup_dir` as a str, or a clear error for what cannot be a backup directory."""
+    if isinstance(backup_dir, os.PathLike):
+        backup_dir = os.fspath(backup_dir)
+    if not isinstance(backup_dir, str):
+        raise TypeError(
+            "Argument `backup_dir` must be a directory path (str or os.PathLike). "
+            f"Received: backup_dir={backup_dir!r} of type {type(backup_dir).__name__}"
+        )
+    if not backup_dir:
+        raise ValueError("Argument `backup_dir` must be a non-empty directory path. "
+                         "Received: backup_dir=''")
+    if os.path.exists(backup_dir) and not os.path.isdir(backup_dir):
+        raise ValueError(
+            f"Argument `backup_dir` must be a directory, but {backup_dir!r} is a file. "
+            "Give BackupAndRestore a directory of its own."
+        )
+    return backup_dir
+
+
+def check_same_backup(rows, backup_dir: str) -> None:
+    """Refuses workers that found different backups (`rows`: one per worker, gathered)."""
+    chief = tuple(rows[0])
+    differ = [i for i, row in enumerate(rows) if tuple(row) != chief]
+    if not differ:
+        return
+
+    def describe(row):
+        return (f"backup at epoch {row[1]} batch {row[2]} (#{row[3]})" if row[0]
+                else "no backup")
+
+    details = "; ".join(f"worker {i}: {describe(row)}" for i, row in enumerate(rows))
+    raise RuntimeError(
+        f"BackupAndRestore: the workers do not see the same backup in {backup_dir!r} "
+        f"(workers {differ} differ from the chief): {details}. `backup_dir` must be on "
+        "a filesystem shared by all workers (e.g. NFS or a shared volume) so that all "
+        "of them resume from the chief's backup."
+    )

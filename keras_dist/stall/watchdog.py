@@ -7,10 +7,11 @@ that MultiWorkerMirroredStrategy runs on the chief), reads everyone's, and appli
 shared rule (`keras_dist.stall.policy`). The first worker to see a stall publishes a
 verdict; then
 
-* every worker that is behind prints the verdict and its own Python stacks (all threads)
-  and exits with `STALL_EXIT_CODE`;
-* every other worker prints the verdict, naming the stuck peer(s), waits a few seconds
-  for them to show their stacks, and exits with `STALL_EXIT_CODE` too,
+* every worker that is behind prints the verdict and its own Python stacks (all threads);
+* every other worker prints the verdict, naming the stuck peer(s);
+* each says so in the store, and exits with `STALL_EXIT_CODE` once every worker has (or
+  after a few seconds): a worker that left early would fail its peers' collectives
+  before they could say who was stuck,
 
 so the scheduler sees the job fail and restarts it, and `BackupAndRestore` resumes it
 exactly. `os._exit` is the only way out: the main thread is blocked in a collective (or
@@ -139,20 +140,20 @@ class _Watchdog:
                   "stacks (all threads), most recent call first:", file=sys.stderr,
                   flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            try:
-                coordination.set_value(f"{_PREFIX}/ack/{self.index}", "1")
-            except Exception:
-                pass
         else:
             print(f"{head}\nkeras_dist: worker {self.index} stops, as every worker does, "
                   f"so that the job is restarted (the stuck one: {names}); "
                   "BackupAndRestore resumes it.", file=sys.stderr, flush=True)
-            deadline = time.monotonic() + _ACK_WAIT
-            for index in behind:
-                try:
-                    coordination.get_value(f"{_PREFIX}/ack/{index}",
-                                           max(0.001, deadline - time.monotonic()))
-                except Exception:
-                    pass
+        try:
+            coordination.set_value(f"{_PREFIX}/ack/{self.index}", "1")
+        except Exception:
+            pass
+        deadline = time.monotonic() + _ACK_WAIT
+        for index in range(self.num_workers):
+            try:
+                coordination.get_value(f"{_PREFIX}/ack/{index}",
+                                       max(0.001, deadline - time.monotonic()))
+            except Exception:
+                pass
         sys.stdout.flush()
         os._exit(STALL_EXIT_CODE)
