@@ -42,8 +42,8 @@ class StallMonitor:
         self._next_read = 0.0
 
     def env(self, index: int) -> dict[str, str]:
-        """What worker `index` needs in its environment to report."""
-        return {PROGRESS_FILE_ENV: self.paths[index]}
+        """What worker `index` needs in its environment to report (nothing when off)."""
+        return {PROGRESS_FILE_ENV: self.paths[index]} if self.timeout.enabled else {}
 
     def poll(self, now: float | None = None) -> policy.Stall | None:
         """The stall, once there is one; cheap to call every few milliseconds."""
