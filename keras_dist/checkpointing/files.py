@@ -161,9 +161,8 @@ def write_backup(
         sha256 = sha256_of(temporary)
         weights_path = os.path.join(directory, weights_name)
         os.replace(temporary, weights_path)
-        temporary = _write_metadata(directory, weights_name, sha256,
-                                    os.path.getsize(weights_path), epoch, step, seq,
-                                    num_workers, num_replicas, input_order)
+        _write_metadata(directory, weights_name, sha256, os.path.getsize(weights_path),
+                        epoch, step, seq, num_workers, num_replicas, input_order)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
@@ -177,11 +176,8 @@ def commit_state(directory: str, seq: int, epoch: int, step: int, num_workers: i
     name = state_name(seq)
     path = os.path.join(directory, name)
     size = sum(os.path.getsize(os.path.join(path, entry)) for entry in os.listdir(path))
-    temporary = _write_metadata(directory, name, sha256_of(os.path.join(path, STATE_INDEX)),
-                                size, epoch, step, seq, num_workers, num_replicas,
-                                input_order)
-    if os.path.exists(temporary):
-        os.remove(temporary)
+    _write_metadata(directory, name, sha256_of(os.path.join(path, STATE_INDEX)), size, epoch,
+                    step, seq, num_workers, num_replicas, input_order)
     _remove_stale(directory, keep=name, below=seq)
     return Backup(epoch, step, seq, path, num_workers, num_replicas, input_order)
 
@@ -200,7 +196,7 @@ def next_seq(directory: str) -> int:
 
 
 def _write_metadata(directory, name, sha256, size, epoch, step, seq, num_workers,
-                    num_replicas, input_order) -> str:
+                    num_replicas, input_order) -> None:
     metadata = {
         "format": FORMAT,
         "epoch": epoch,
@@ -216,13 +212,16 @@ def _write_metadata(directory, name, sha256, size, epoch, step, seq, num_workers
         "saved_at": time.time(),
     }
     temporary = temporary_name(directory, ".json")
-    with open(temporary, "w") as file:
-        json.dump(metadata, file, indent=1)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, os.path.join(directory, METADATA_NAME))
+    try:
+        with open(temporary, "w") as file:
+            json.dump(metadata, file, indent=1)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, os.path.join(directory, METADATA_NAME))
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
     _fsync_dir(directory)
-    return temporary
 
 
 def delete_backup(directory: str) -> None:

@@ -135,9 +135,8 @@ def snapshot(model) -> Snapshot:
     reads, variables = [], {}
     for name, variable in state_variables(model).items():
         placement, positions, value = _placement(variable)
-        variables[name] = {"shape": list(placement.shape), "dtype": str(np.dtype(
-            shards.numpy_dtype(variable.dtype if isinstance(variable.dtype, str)
-                               else variable.dtype.name))),
+        variables[name] = {"shape": list(placement.shape),
+                           "dtype": str(shards.numpy_dtype(variable.dtype)),
                            "path": variable.path, "placement": placement.to_json()}
         reads.append((name, placement, positions, value))
     process, count = _processes()
@@ -225,13 +224,13 @@ def restore_state(model, directory: str | os.PathLike, *, reader=None) -> dict:
     variables = state_variables(model)
     _check_same_model(reader, variables, directory)
     for name, variable in variables.items():
-        placement, positions, _ = _placement(variable)
+        placement, positions, stored = _placement(variable)
         try:
             parts = [reader.read(name, *placement.region(p)) for p in positions]
         except ValueError as error:
             raise BackupError(f"The sharded state in {directory!r} is damaged: {error}. "
                               "Delete it to start from scratch.") from None
-        _assign(variable, parts, placement)
+        _assign(variable, parts, stored)
     return {key: value for key, value in reader.index.items()
             if key not in ("format", "variables")}
 
@@ -258,17 +257,15 @@ def _check_same_model(reader, variables, directory) -> None:
             "another directory or delete it to start from scratch.")
 
 
-def _assign(variable, parts, placement) -> None:
-    from keras_dist.distribution import backend
-
-    storage = _storage(variable)
-    if not backend.is_dtensor(storage):
+def _assign(variable, parts, stored) -> None:
+    """`parts` (this process's pieces) into `variable`, laid out as `stored` (its read)."""
+    if isinstance(stored, np.ndarray):
         variable.assign(parts[0])
         return
     import tensorflow as tf
     from tensorflow.experimental import dtensor
 
-    layout = dtensor.fetch_layout(
-        tf.raw_ops.ReadVariableOp(resource=storage.handle, dtype=storage.dtype))
+    storage = _storage(variable)
+    layout = dtensor.fetch_layout(stored)
     tensors = [tf.constant(part, dtype=storage.dtype) for part in parts]
     storage.assign(dtensor.pack(tensors, layout))

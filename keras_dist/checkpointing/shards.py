@@ -24,7 +24,6 @@ one device) from the stored blocks that intersect it, reading only those (`State
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -224,11 +223,3 @@ def numpy_dtype(name: str) -> np.dtype:
         import ml_dtypes
 
         return np.dtype(getattr(ml_dtypes, name))
-
-
-def blocks_of(placement: Placement) -> list[tuple[int, ...]]:
-    """Every block start of `placement` (for tests and checks)."""
-    block = placement.block_shape()
-    return [tuple(start) for start in itertools.product(
-        *(range(0, dim, extent) if extent else [0] for dim, extent in zip(placement.shape,
-                                                                          block)))]

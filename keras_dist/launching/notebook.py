@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 from keras_dist import _validation
 from keras_dist.launching._core import WorkerError, run_function
 from keras_dist.launching.options import Options
+from keras_dist.stall.policy import check_stall_timeout
 
 __all__ = ["WorkerError", "notebook_launcher"]
 
@@ -87,9 +88,7 @@ def notebook_launcher(
     """
     _validation.check_int("max_restarts", max_restarts, minimum=0)
     _validation.check_bool("preload", preload)
-    _validation.check_optional_number("stall_timeout", stall_timeout, minimum=0,
-                                      exclusive=False, unit="seconds",
-                                      hint="Pass 0 to turn stall detection off.")
+    check_stall_timeout(stall_timeout)
     return run_function("notebook_launcher", fn, args, kwargs, num_workers,
                         Options(env=env, timeout=timeout, max_restarts=max_restarts,
                                 min_workers=min_workers, preload=preload,

@@ -12,7 +12,7 @@ from typing import IO, Mapping, Sequence
 
 from keras_dist import _validation
 from keras_dist.launching import output as _output
-from keras_dist.stall.policy import StallTimeout, stall_timeout
+from keras_dist.stall.policy import StallTimeout, check_stall_timeout, stall_timeout
 
 __all__ = ["Options", "checked_command", "checked_options", "worker_env"]
 
@@ -58,10 +58,7 @@ def checked_options(max_restarts, env, timeout, stdout, prefix, grace_period, lo
     elif tee:
         raise ValueError(_validation.message("tee", "False without `log_dir`", tee,
                                              "Pass log_dir=... to write log files"))
-    if stall_timeout is not None:
-        _validation.check_number("stall_timeout", stall_timeout, minimum=0, exclusive=False,
-                                 unit="seconds", or_none=True,
-                                 hint="Pass 0 to turn stall detection off.")
+    check_stall_timeout(stall_timeout)
     return Options(max_restarts, env, timeout, stdout, prefix, grace_period, log_dir, tee,
                    verbose, min_workers=min_workers, preload=preload,
                    stall_timeout=stall_timeout)

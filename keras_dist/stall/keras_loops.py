@@ -49,11 +49,8 @@ def _before(name: str, callbacks, progress) -> None:
         reporter.ensure_started()
         progress.loop_began(_LOOPS[name])
     elif name in _BATCH_BEGINS:
-        loop = progress._loops[-1] if progress._loops else None
-        if name == "on_train_batch_begin" and loop is not None and not loop.batch_done:
-            first = _first_step(callbacks)
-            if first is not None:
-                progress.step, progress.events_since_step = first, 0
+        if name == "on_train_batch_begin" and progress.in_first_batch:
+            progress.step_is(_first_step(callbacks))
         progress.batch_began()
     elif name in _BATCH_ENDS:
         progress.batch_ended(train=_BATCH_ENDS[name])
@@ -95,7 +92,7 @@ def _wrap_entry(method):
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
         progress = _progress.current()
-        depth = len(progress._loops)
+        depth = progress.depth
         try:
             return method(self, *args, **kwargs)
         finally:

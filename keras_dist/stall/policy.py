@@ -36,7 +36,7 @@ from typing import Mapping
 from keras_dist import _validation
 
 __all__ = ["DEFAULT_STALL_TIMEOUT", "ENV_NAME", "Detector", "Stall", "StallTimeout",
-           "stall_timeout"]
+           "check_stall_timeout", "stall_timeout"]
 
 ENV_NAME = "KERAS_DIST_STALL_TIMEOUT"
 DEFAULT_STALL_TIMEOUT = 300.0
@@ -95,15 +95,19 @@ def stall_timeout(seconds: float | None = None, *, startup_seconds: float | None
     from keras_dist.startup.rendezvous import startup_timeout
 
     environ = os.environ if environ is None else environ
-    if seconds is not None:
-        _validation.check_number("stall_timeout", seconds, minimum=0, exclusive=False,
-                                 unit="seconds", hint="Pass 0 to turn stall detection off.")
-        value = float(seconds)
-    else:
+    value = check_stall_timeout(seconds)
+    if value is None:
         value = _from_env(environ.get(ENV_NAME))
     if startup_seconds is None:
         startup_seconds = startup_timeout(None, environ=environ)
     return StallTimeout(value, float(startup_seconds))
+
+
+def check_stall_timeout(seconds) -> float | None:
+    """The `stall_timeout` argument checked (None, or seconds >= 0), as every launcher takes it."""
+    return _validation.check_optional_number("stall_timeout", seconds, minimum=0,
+                                             exclusive=False, unit="seconds",
+                                             hint="Pass 0 to turn stall detection off.")
 
 
 def _from_env(text: str | None) -> float | None:

@@ -68,11 +68,8 @@ class Progress:
         """Where the process is now, without progress (a hook returned)."""
         self.phase, self.detail = phase, detail
 
-    def loop_began(self, kind: str, first_step: int | None = None) -> None:
+    def loop_began(self, kind: str) -> None:
         self._loops.append(_Loop(kind))
-        if kind == "fit" and first_step is not None:
-            self.step = first_step
-            self.events_since_step = 0
 
     def loop_ended(self) -> None:
         if self._loops:
@@ -104,6 +101,20 @@ class Progress:
             self.events_since_step = 0
         if loop is not None:
             loop.batch_done = True
+
+    def step_is(self, step: int | None) -> None:
+        """The optimizer's count as a loop or epoch starts (None: keep counting)."""
+        if step is not None:
+            self.step, self.events_since_step = step, 0
+
+    @property
+    def depth(self) -> int:
+        return len(self._loops)
+
+    @property
+    def in_first_batch(self) -> bool:
+        """The innermost loop has not finished a batch of this loop or epoch."""
+        return bool(self._loops) and not self._loops[-1].batch_done
 
     @property
     def loop(self) -> str | None:
