@@ -214,3 +214,110 @@ def test_each_value_is_written_once_and_bad_states_are_named(scenarios):
         scenarios["other model"])
     assert "does not match its checksum (crc32)" in scenarios["damaged"]
     assert "process-00000.blocks" in scenarios["damaged"]
+
+
+# ---------------------------------------------------------------------------------------
+# 2 launched workers x 2 CPUs with FSDP -> one process, ModelParallel (2, 2)
+
+_STEPS_PER_EPOCH = 8  # 64 rows, global batch 8
+
+
+def _mlp_and_data():
+    """The MLP (Adam) and its input: a tf.data.Dataset of global batches of 8."""
+    import keras
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    y = rng.normal(size=(64, 8)).astype("float32")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((16,)),
+                              keras.layers.Dense(64, activation="relu", name="up"),
+                              keras.layers.Dense(8, name="down")])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    return model, tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
+
+
+def _fsdp_workers_die_after_step_6(backup_dir):
+    """One launched worker: FSDP over 2 x 2 CPUs, a backup every 4 steps; dies at step 6."""
+    import os
+
+    import keras
+    from keras import distribution as kd
+
+    import keras_dist
+    from keras_dist.callbacks import BackupAndRestore
+    from keras_dist.checkpointing.sharded_state import state_variables
+
+    kd.initialize()  # the job from TF_CONFIG, as keras-dist launch sets it
+    kd.set_distribution(keras_dist.distribution.FSDP(min_elements=64))
+
+    class Died(Exception):
+        pass
+
+    class Dies(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 6:
+                raise Died()
+
+    model, data = _mlp_and_data()
+    backup = BackupAndRestore(backup_dir, save_freq=4)
+    try:
+        model.fit(data, epochs=2, verbose=0, callbacks=[backup, Dies()])
+    except Died:
+        backup._writing.wait()  # the process dies with its last backup on disk
+    state = os.path.join(backup_dir, "backup-000001.state")
+    written = sorted(name for name in os.listdir(state) if name.endswith(".blocks"))
+    return {"files": sorted(os.listdir(backup_dir)),
+            "state bytes": sum(int(np.prod(v.shape)) * 4
+                               for v in state_variables(model).values()),
+            "written": {name: os.path.getsize(os.path.join(state, name))
+                        for name in written}}
+
+
+def _resume_on_one_process(backup_dir):
+    import io
+    from contextlib import redirect_stdout
+
+    from keras import distribution as kd
+
+    from keras_dist.callbacks import BackupAndRestore
+
+    reference, data = _mlp_and_data()
+    reference.fit(data, epochs=2, verbose=0)
+    mesh = kd.DeviceMesh((2, 2), ["batch", "model"], kd.list_devices("cpu"))
+    layouts = kd.LayoutMap(mesh)
+    layouts["up/kernel"] = (None, "model")
+    layouts["down/kernel"] = ("model", None)
+    kd.set_distribution(kd.ModelParallel(layout_map=layouts, batch_dim_name="batch"))
+    model, data = _mlp_and_data()
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        model.fit(data, epochs=2, verbose=0, callbacks=[BackupAndRestore(backup_dir,
+                                                                         save_freq=4)])
+    return {"printed": printed.getvalue(), "iterations": int(model.optimizer.iterations),
+            "difference": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                              for a, b in zip(model.get_weights(), reference.get_weights()))}
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_two_fsdp_workers_write_the_state_once_and_one_process_resumes_exactly(tmp_path):
+    from keras_dist.testing import run_on_workers
+
+    backup_dir = str(tmp_path / "backup")
+    workers = run_on_workers(_fsdp_workers_die_after_step_6, 2, args=(backup_dir,),
+                             virtual_devices=2, timeout=300)
+    # Both died after step 6 with the backup of step 4 complete: each wrote its blocks.
+    assert workers[0]["files"] == ["backup-000001.state", "backup.json"]
+    written = workers[0]["written"]
+    assert sorted(written) == ["process-00000.blocks", "process-00001.blocks"]
+    assert sum(written.values()) <= 1.3 * workers[0]["state bytes"]
+    assert min(written.values()) > 0.3 * workers[0]["state bytes"]  # each holds its part
+    resumed = run_in_subprocess(_resume_on_one_process, args=(backup_dir,),
+                                virtual_devices=4, timeout=300)
+    assert "BackupAndRestore: resuming at epoch 0 (0-based), 4 batch(es) into it" in (
+        resumed["printed"])
+    assert "split between the processes by keras.distribution" in resumed["printed"]
+    assert resumed["iterations"] == 2 * _STEPS_PER_EPOCH
+    assert resumed["difference"] < 1e-5

@@ -239,8 +239,10 @@ def _check_detected_and_resumed(run, code, out_dir, reference, stuck_worker, how
     assert (f"worker {stuck_worker} made no progress for" in line
             and "after step 30 (in callbacks, on_train_batch_end)" in line
             and f"worker {other} waits in collective" in line), line
-    stacks = run.output.split(f"keras-dist launch: worker {stuck_worker}'s Python stacks "
-                              "(all threads, most recent call first):")[1]
+    header = (f"keras-dist launch: worker {stuck_worker}'s Python stacks (all threads, "
+              "most recent call first):")
+    assert header in run.output, run.output
+    stacks = run.output.split(header)[1]
     assert "in get_stuck" in stacks and "in on_train_batch_end" in stacks
     assert "keras-dist launch: restarting worker group (restart 1 of 2) after stall:" in (
         run.output)

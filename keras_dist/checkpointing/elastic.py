@@ -5,7 +5,9 @@ promised about the order (`keras_dist.data.order.InputOrder`). `check_resume` co
 that with the resuming run:
 
 * same global batch, input in the global order (`distribute_dataset` over arrays or
-  another index-able source): exact on any count. The resumed epoch reads the same
+  another index-able source; under a `keras.distribution` distribution, a
+  `tf.data.Dataset` of global batches, which Keras splits between the processes):
+  exact on any count. The resumed epoch reads the same
   global batches, so skipping the `step` already trained lands on the next unseen one.
 * another global batch: refused. The position in the epoch counts global batches, and
   the steps per epoch, a learning-rate schedule over `iterations` and the weights of the
@@ -45,8 +47,8 @@ def check_resume(backup: Backup, backup_dir: str, input_now: InputOrder | None,
             with an input whose order depends on the worker count (or is unknown).
     """
     before = InputOrder.from_json(backup.input_order)
-    if before is not None and input_now is not None and (
-            before.global_batch != input_now.global_batch):
+    if before is not None and input_now is not None and before.global_batch and (
+            input_now.global_batch) and before.global_batch != input_now.global_batch:
         raise BackupError(
             f"The backup in {backup_dir!r} was written with global batch "
             f"{before.global_batch} ({_layout(backup.num_workers, backup.num_replicas)}); "

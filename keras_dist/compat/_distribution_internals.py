@@ -181,7 +181,11 @@ _DISTRIBUTION_INTERNALS = (
         "keras.Distribution",
         "keras_dist.distribution.FSDP subclasses it (not exported by keras.distribution "
         "in 3.15); keras.distribution.set_distribution and the backend read its "
-        "device_mesh, batch_dim_name and get_*_layout.",
-        ("distribution",), "the class resolves and still declares get_variable_layout",
-        _attribute(distribution_base, "get_variable_layout")),
+        "device_mesh, batch_dim_name and get_*_layout; its distribute_dataset (which "
+        "splits a tf.data.Dataset's global batches between the processes) is wrapped to "
+        "record that order for BackupAndRestore.",
+        ("distribution",), "the class resolves and still declares get_variable_layout and "
+        "distribute_dataset",
+        _all(_attribute(distribution_base, "get_variable_layout"),
+             _attribute(distribution_base, "distribute_dataset"))),
 )

@@ -25,6 +25,11 @@ Two DTensor defects are contained here (both silent, both measured on 4 virtual 
   refuses a contracting dimension sharded on the batch axis on one side and another
   axis on the other.
 
+It also tags what a distribution's `distribute_dataset` returns with the input's order
+(`keras_dist.data.order.keras_split`): a `tf.data.Dataset` of global batches, which Keras
+splits between the processes, has the same global batches on any process count, so
+`BackupAndRestore` resumes it mid-epoch on another one.
+
 The probe reads Keras's TensorFlow `distribution_lib`: once it has the functions
 `keras.distribution` calls on JAX, keras_dist steps aside (the fix is not applied, and
 `keras_dist.compat.applied()` says so).
@@ -259,6 +264,31 @@ def _generating_in_scope(generate):
     return wrapper
 
 
+def _recording_input_order(distribute):
+    """`Distribution.distribute_dataset` that tags a `tf.data.Dataset` with what it
+    promises about its order (`keras_dist.data.order.keras_split`), so `BackupAndRestore`
+    can resume it mid-epoch on another process count."""
+
+    @functools.wraps(distribute)
+    def wrapper(self, dataset):
+        from keras_dist.data import order
+        from keras_dist.distribution import backend
+
+        result = distribute(self, dataset)
+        recorded = getattr(dataset, "keras_dist_input", None)
+        if recorded is None and hasattr(dataset, "element_spec"):
+            recorded = order.keras_split(dataset, backend.num_processes(),
+                                         bool(getattr(self, "auto_shard_dataset", True)))
+        if recorded is not None and getattr(result, "keras_dist_input", None) is None:
+            try:
+                result.keras_dist_input = recorded
+            except AttributeError:  # a dataset type that takes no attributes
+                pass
+        return result
+
+    return wrapper
+
+
 def _patch_keras_hub() -> None:
     causal_lm = _internals._keras_hub_causal_lm()
     if causal_lm is not None and getattr(causal_lm.generate, "_keras_dist_fix", None) != NAME:
@@ -275,6 +305,8 @@ def apply_keras_hub() -> None:
 
 
 def apply() -> None:
+    import keras
+
     from keras_dist.distribution import backend
 
     module = _distribution_lib()
@@ -307,6 +339,11 @@ def apply() -> None:
                      fix=NAME)
     _patch.patch(random, "dropout", random_ops.dropping(_patch.original(random, "dropout")),
                  fix=NAME)
+    for distribution in (_internals.distribution_base(), keras.distribution.DataParallel,
+                         keras.distribution.ModelParallel):
+        if "distribute_dataset" in vars(distribution):  # 3.15: the base class only
+            _patch.patch(distribution, "distribute_dataset", _recording_input_order(
+                _patch.original(distribution, "distribute_dataset")), fix=NAME)
     core = _internals._tf_core()
     _patch.patch(core, "slice_update", mesh_ops.updating_slices(
         _patch.original(core, "slice_update")), fix=NAME)
@@ -332,7 +369,8 @@ FIX = Fix(
     "backend, on DTensor: variables stored with their layout, steps run on the mesh.",
     symbols=("keras.tensorflow.distribution_lib", "keras.tensorflow.Variable",
              "keras.TFTrainer.make_train_function", "keras.TFTrainer.make_predict_function",
-             "keras.Layer.__call__", "tf.dtensor.DVariable", "keras.tensorflow.random"),
+             "keras.Layer.__call__", "tf.dtensor.DVariable", "keras.tensorflow.random",
+             "keras.Distribution"),
     probe=probe,
     apply=apply,
 )

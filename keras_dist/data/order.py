@@ -34,7 +34,7 @@ import numpy as np
 
 __all__ = [
     "EpochClock", "InputOrder", "array_shard_indices", "epoch_order", "fit_began",
-    "fit_began_epoch", "fit_ended", "fit_input", "fit_position", "iterating",
+    "fit_began_epoch", "fit_ended", "fit_input", "fit_position", "iterating", "keras_split",
     "shard_sizes_by_element", "shard_sizes_in_order", "worker_indices",
 ]
 
@@ -81,6 +81,28 @@ def iterating(dataset) -> None:
     global _last_iterated
     with _lock:
         _last_iterated = getattr(dataset, "keras_dist_input", None)
+
+
+def keras_split(dataset, num_processes: int, auto_shard: bool) -> InputOrder:
+    """What a `tf.data.Dataset` input promises when a `keras.distribution` distribution
+    feeds it: Keras splits each global batch between the processes (`rebatch` to the
+    process's rows, then every process takes its own piece of each global batch), so the
+    global batches are the dataset's own, on any process count; unless each process
+    batches its own data (`auto_shard_dataset=False` on several processes).
+    """
+    import tensorflow as tf
+
+    specs = tf.nest.flatten(dataset.element_spec)
+    shape = getattr(specs[0], "shape", None) if specs else None
+    batch = shape[0] if shape is not None and shape.rank else None
+    if batch is None:
+        return InputOrder(False, 0, "a tf.data.Dataset whose batch size is not fixed (batch "
+                          "it with drop_remainder=True)")
+    if num_processes > 1 and not auto_shard:
+        return InputOrder(False, int(batch) * num_processes, "a tf.data.Dataset each process "
+                          "batches on its own (auto_shard_dataset=False)")
+    return InputOrder(True, int(batch), "a tf.data.Dataset of global batches, split between "
+                      "the processes by keras.distribution")
 
 
 def fit_began() -> InputOrder | None:

@@ -67,8 +67,11 @@ class StallMonitor:
             signum, pid = record.get("stack_signal"), record.get("pid")
             if signum and _in_tree(pid, workers[index].process):
                 try:
+                    # The size before the signal: a worker on another core may have
+                    # written its stacks before a size taken after it.
+                    size = os.path.getsize(stack_path(self.paths[index]))
                     os.kill(pid, signum)
-                    asked[index] = os.path.getsize(stack_path(self.paths[index]))
+                    asked[index] = size
                 except OSError:
                     pass
         stacks = {index: _wait_for_stack(stack_path(self.paths[index]), size)

@@ -1,7 +1,8 @@
 """`import keras_dist` makes `keras.distribution` work on TensorFlow, before or after Keras,
 and makes Keras's loops report their progress (`keras_dist.stall.keras_loops`).
 
-The `keras_distribution_on_tensorflow` fix patches Keras's TensorFlow backend, which
+The `keras_distribution_on_tensorflow` fix (with `input_epoch`, which tells
+`BackupAndRestore` what a fit trains on) patches Keras's TensorFlow backend, which
 exists only once Keras is imported (and importing Keras imports TensorFlow, which
 `import keras_dist` must not do: `keras_dist.virtual_devices(n)` may still come first).
 So `install()` applies the fix at once when Keras is already imported, and otherwise
@@ -18,7 +19,7 @@ import warnings
 
 def _apply() -> None:
     from keras_dist import compat
-    from keras_dist.compat import _keras_tf, keras_distribution
+    from keras_dist.compat import _keras_tf, input_epoch, keras_distribution
     from keras_dist.stall import keras_loops
 
     try:  # every backend: Keras's loops report progress for stall detection
@@ -29,7 +30,9 @@ def _apply() -> None:
                       "process.", RuntimeWarning, stacklevel=2)
     try:
         if _keras_tf.uses_tensorflow_backend():
-            compat.apply(names=(keras_distribution.NAME,))
+            # input_epoch notes which input a fit trains on: BackupAndRestore under a
+            # keras.distribution records its order too (resuming on another count).
+            compat.apply(names=(keras_distribution.NAME, input_epoch.NAME))
             _after_import("keras_hub", _apply_keras_hub)
     except Exception as error:  # never break `import keras`; say what is off instead
         warnings.warn(
