@@ -97,25 +97,24 @@ def _components(value) -> list:
 class Snapshot:
     """This process's part of the state as of `snapshot()`, and what the index needs.
 
-    `reads` hold the variables' values as they were (reads whose buffers later updates
-    copy before writing); `blocks()` turns the owned parts into host arrays, in the
-    background writer.
+    `parts` hold, per variable, the pieces this process owns as they were: its local
+    devices' components of one read of the variable (buffers that a later update copies
+    before it writes); `blocks()` hands them to the background writer as host arrays.
     """
 
-    reads: list
+    parts: list  # [(name, [(start, component), ...])]
     variables: dict
     process: int
     num_processes: int
     bytes: int = 0
 
     def blocks(self):
-        for name, placement, positions, value in self.reads:
-            owned = shards.owned_blocks(placement, positions)
-            if not owned:
-                continue
-            components = _components(value)
-            for local, start in owned:
-                array = np.asarray(components[local])
+        for index, (name, pieces) in enumerate(self.parts):
+            # Written once: let the pieces go, so the variable's next update need not copy
+            # a buffer the snapshot still holds.
+            self.parts[index] = (name, [])
+            for start, component in pieces:
+                array = np.asarray(component)
                 self.bytes += array.nbytes
                 yield shards.Block(name, start, array)
 
@@ -130,17 +129,23 @@ def _processes() -> tuple[int, int]:
 
 
 def snapshot(model) -> Snapshot:
-    """This process's state as of now; costs one read per variable (no copy: the copy
-    to host memory happens in `Snapshot.blocks()`, in the background writer)."""
-    reads, variables = [], {}
+    """This process's state as of now; costs one read per variable and no copy.
+
+    The reads are split into their per-device components here, between steps: in the
+    background writer, a DTensor op would queue behind the training steps on the mesh
+    (measured: a 96 MB write took 1.2 s instead of 0.25 s, so the next save waited)."""
+    parts, variables = [], {}
     for name, variable in state_variables(model).items():
         placement, positions, value = _placement(variable)
         variables[name] = {"shape": list(placement.shape),
                            "dtype": str(shards.numpy_dtype(variable.dtype)),
                            "path": variable.path, "placement": placement.to_json()}
-        reads.append((name, placement, positions, value))
+        owned = shards.owned_blocks(placement, positions)
+        if owned:
+            components = _components(value)
+            parts.append((name, [(start, components[local]) for local, start in owned]))
     process, count = _processes()
-    return Snapshot(reads, variables, process, count)
+    return Snapshot(parts, variables, process, count)
 
 
 def write_snapshot(state: Snapshot, directory: str, extra: dict | None = None,
