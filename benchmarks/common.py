@@ -76,11 +76,12 @@ def run_isolated(fn: Callable, *, kwargs: Mapping[str, Any] | None = None,
 
 
 def run_workers(fn: Callable, num_workers: int, *, kwargs: Mapping[str, Any] | None = None,
-                timeout: float = WORKER_TIMEOUT) -> list:
+                timeout: float = WORKER_TIMEOUT, virtual_devices: int | None = None) -> list:
     """`fn(**kwargs)` on `num_workers` launched local workers; returns their values."""
     from keras_dist.testing import run_on_workers
 
-    return run_on_workers(fn, num_workers, kwargs=kwargs, timeout=timeout)
+    return run_on_workers(fn, num_workers, kwargs=kwargs, timeout=timeout,
+                          virtual_devices=virtual_devices)
 
 
 def pin_threads(intra_op: int | None, inter_op: int | None) -> None:

@@ -17,6 +17,8 @@ _GOALS = {
     ("model_parallel", "fsdp_bytes_ratio"): "~ 1/4 (+ replicated)",
     ("checkpoint", "save_step_ratio"): "<= 1.5",
     ("checkpoint", "bytes_ratio"): "<= 1.0",
+    ("checkpoint", "workers_save_step_ratio"): "<= 1.5",
+    ("checkpoint", "workers_written_per_state"): "<= 1.3",
 }
 
 
@@ -142,6 +144,14 @@ def _rows(results: dict) -> list[tuple]:
             checkpoint["bytes_ratio"])
         add("checkpoint", "restore_ratio", "restore time sharded / whole",
             checkpoint["restore_ratio"], 2)
+        workers = checkpoint.get("workers")
+        if workers:
+            add("checkpoint", "workers_save_step_ratio", "2 workers x 2 CPUs: step with a "
+                "sharded backup / without", workers["save_step_ratio"], 2)
+            add("checkpoint", "workers_written_per_state", "2 workers x 2 CPUs: bytes "
+                "written per backup (both) / state", workers["written_per_state"])
+            add("checkpoint", "workers_bytes_ratio", "2 workers x 2 CPUs: bytes written "
+                "sharded / whole (both)", workers["bytes_ratio"])
     for name, result in results.items():
         if isinstance(result, dict) and "error" in result:
             rows.append((name, "failed", result["error"].splitlines()[0][:80], ""))

@@ -57,6 +57,7 @@ def _c(api, call, error, fragment, env=None):
 
 def _cases() -> list[Case]:
     from keras_dist import ClusterConfigError
+    from keras_dist.checkpointing import BackupError
 
     cases = [
         # -- strategy() ----------------------------------------------------------------
@@ -208,6 +209,16 @@ def _cases() -> list[Case]:
         _c("notebook_launcher", "keras_dist.notebook_launcher(print, args='abc')", ValueError,
            "Argument `args` must be a tuple or list"),
         # -- checkpointing ----------------------------------------------------------------
+        _c("save_state", "keras_dist.checkpointing.save_state('model.keras', '/tmp/s')",
+           TypeError, "save_state: argument `model` must be a keras.Model. Received: str"),
+        _c("save_state", "keras_dist.checkpointing.save_state(stages[0], '/tmp/s')",
+           ValueError, "has no variables yet. Build it first"),
+        _c("save_state", "keras_dist.checkpointing.save_state(model, '')", ValueError,
+           "save_state: argument `directory` must be a non-empty directory path"),
+        _c("save_state", "keras_dist.checkpointing.save_state(model, __file__)", ValueError,
+           "argument `directory` must be a directory, but"),
+        _c("restore_state", "keras_dist.checkpointing.restore_state(model, '/nonexistent/s')",
+           BackupError, "No complete keras_dist sharded state in '/nonexistent/s'"),
         _c("BackupAndRestore", "BackupAndRestore('')", ValueError,
            "`backup_dir` must be a non-empty directory path"),
         _c("BackupAndRestore", "BackupAndRestore(None)", TypeError,
@@ -374,6 +385,7 @@ def _namespace() -> dict:
         "X": np.zeros((16, 4), dtype="float32"), "planning": planning,
         "keras": keras, "parallel": parallel,
         "stages": [keras.Sequential([keras.layers.Dense(2)]) for _ in range(2)],
+        "model": keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
     }
 
 

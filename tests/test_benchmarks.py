@@ -64,6 +64,9 @@ def test_checkpoint_smoke(tmp_path):
     assert whole["state_bytes"] == sharded["state_bytes"]
     # One copy of each value, in blocks; the whole file adds only HDF5's own structure.
     assert sharded["bytes_written"] == sharded["state_bytes"] < whole["bytes_written"]
+    # 2 workers: both together write the state once; the whole path wrote it twice.
+    workers = result["workers"]
+    assert workers["written_per_state"] == 1.0 and workers["bytes_ratio"] < 0.6
 
 
 @pytest.mark.timeout(180)

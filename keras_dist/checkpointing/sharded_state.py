@@ -167,6 +167,27 @@ def write_snapshot(state: Snapshot, directory: str, extra: dict | None = None,
         shards.merge_index(directory, state.variables, state.num_processes, extra or {})
 
 
+def _checked(model, directory, function: str) -> str:
+    """`directory` as a str, or a clear error for a bad model or directory argument."""
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"{function}: argument `model` must be a keras.Model. Received: "
+                        f"{type(model).__name__}.")
+    if not model.variables:
+        raise ValueError(f"{function}: the model {model.name!r} has no variables yet. Build "
+                         "it first (call it on a batch, `model.build(input_shape)`, or fit).")
+    if isinstance(directory, os.PathLike):
+        directory = os.fspath(directory)
+    if not isinstance(directory, str) or not directory.strip():
+        raise ValueError(f"{function}: argument `directory` must be a non-empty directory "
+                         f"path (str or os.PathLike). Received: {directory!r}.")
+    if os.path.isfile(directory):
+        raise ValueError(f"{function}: argument `directory` must be a directory, but "
+                         f"{directory!r} is a file.")
+    return directory.rstrip(os.sep) or os.sep
+
+
 def save_state(model, directory: str | os.PathLike) -> None:
     """Saves `model`'s and its optimizer's state to `directory` in the sharded format.
 
@@ -181,7 +202,7 @@ def save_state(model, directory: str | os.PathLike) -> None:
     """
     from keras_dist.barriers import barrier
 
-    directory = os.fspath(directory).rstrip(os.sep)
+    directory = _checked(model, directory, "save_state")
     state = snapshot(model)
     staging = directory + ".saving"
     if state.process == 0:
@@ -213,7 +234,7 @@ def restore_state(model, directory: str | os.PathLike, *, reader=None) -> dict:
         BackupError: No complete state there, a variable is missing or of another shape
             (a state from another model), or a block fails its checksum.
     """
-    directory = os.fspath(directory).rstrip(os.sep)
+    directory = _checked(model, directory, "restore_state")
     if reader is None and not os.path.exists(os.path.join(directory, shards.INDEX_NAME)):
         # save_state was stopped between its two renames: the new state is complete in
         # `.saving` (it has its index), else the old one is in `.old`.
@@ -226,6 +247,7 @@ def restore_state(model, directory: str | os.PathLike, *, reader=None) -> dict:
     except (OSError, ValueError) as error:
         raise BackupError(f"No complete keras_dist sharded state in {directory!r} ({error})."
                           ) from None
+    _build_optimizer(model, reader)
     variables = state_variables(model)
     _check_same_model(reader, variables, directory)
     for name, variable in variables.items():
@@ -238,6 +260,22 @@ def restore_state(model, directory: str | os.PathLike, *, reader=None) -> dict:
         _assign(variable, parts, stored)
     return {key: value for key, value in reader.index.items()
             if key not in ("format", "variables")}
+
+
+def _build_optimizer(model, reader) -> None:
+    """Builds a compiled model's optimizer when the state holds one (its slots are created
+    on the model's distribution, as its first step would)."""
+    import contextlib
+
+    from keras_dist.distribution.training import distribution_of
+
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or getattr(optimizer, "built", True) or not any(
+            name.startswith("optimizer/") for name in reader.variables):
+        return
+    distribution = distribution_of(model)
+    with distribution.scope() if distribution is not None else contextlib.nullcontext():
+        optimizer.build(model.trainable_variables)
 
 
 def _check_same_model(reader, variables, directory) -> None:
