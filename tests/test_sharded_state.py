@@ -80,6 +80,36 @@ def _scenarios(directory):
                 for name, variable in state_variables(model).items()}
 
     out = {}
+    # A model with its own train_step and two optimizers (the keras-io GAN, fixed noise,
+    # SGD with momentum): both optimizers' slots are in the backup.
+    import custom_steps as corpus
+
+    def gan(dies=False, **kwargs):
+        class DiesAfterStep3(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if dies and batch == 2:
+                    raise Died()
+
+        return corpus.train("gan_fixed_noise", epochs=2, evaluate=False, momentum=0.9,
+                            callbacks=[DiesAfterStep3(), *kwargs.pop("callbacks", [])],
+                            **kwargs)["weights"]
+
+    from keras_dist.callbacks import BackupAndRestore
+
+    class Died(Exception):
+        pass
+
+    gan_dir = os.path.join(directory, "gan")
+    backup = BackupAndRestore(gan_dir, save_freq=2)
+    try:
+        gan(dies=True, strategy=FSDP(min_elements=64), callbacks=[backup])
+    except Died:
+        backup._writing.wait()
+    out["gan parts"] = sorted({name.split("/")[0] for name in shards.StateReader(
+        os.path.join(gan_dir, "backup-000001.state")).variables})
+    resumed = gan(strategy=FSDP(min_elements=64),
+                  callbacks=[BackupAndRestore(gan_dir, save_freq=2)])
+    out["gan"] = max(float(np.abs(a - b).max()) for a, b in zip(resumed, gan()))
     with model_parallel((2, 2)).scope():
         saved = build()
         saved.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
@@ -180,6 +210,7 @@ def _scenarios(directory):
         out[name] = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                         for a, b in zip(second.get_weights(), reference.get_weights()))
         out[f"{name} left"] = os.path.exists(backup_dir)
+
     return out
 
 
@@ -210,6 +241,12 @@ def test_backup_and_restore_resumes_mid_epoch_on_another_mesh_exactly(scenarios,
     assert scenarios[f"{case} files"] == ["backup-000002.state", "backup.json"]
     assert scenarios[case] < 1e-5
     assert not scenarios[f"{case} left"]  # deleted after the successful run
+
+
+@pytest.mark.multiworker
+def test_a_model_with_its_own_step_resumes_with_every_optimizers_state(scenarios):
+    assert scenarios["gan parts"] == ["d_optimizer", "g_optimizer", "model"]
+    assert scenarios["gan"] < 1e-5
 
 
 @pytest.mark.multiworker

@@ -36,14 +36,20 @@ _FRAGMENT_WAIT = 600.0  # seconds the committing process waits for the others' f
 
 def state_variables(model) -> dict[str, object]:
     """The variables a backup holds, by place: `model/<i>` for `model.variables` (weights,
-    seed states) and `optimizer/<i>` for the optimizer's (iterations, slots), in their
-    (deterministic) order. By place, not path, as Keras's own weights files: the same
+    seed states), `optimizer/<i>` for the optimizer's (iterations, slots) and `<attribute>/<i>`
+    for the other optimizers of a model with its own `train_step`, in their (deterministic)
+    order. By place, not path, as Keras's own weights files: the same
     model built again in one process gets other automatic names (`dense_1`, `adam_1`)."""
+    from keras_dist.checkpointing import step_state
+
     found = {f"model/{i}": variable for i, variable in enumerate(model.variables)}
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and getattr(optimizer, "built", False):
-        found.update({f"optimizer/{i}": variable
-                      for i, variable in enumerate(optimizer.variables)})
+    optimizers = {"optimizer": getattr(model, "optimizer", None)}
+    # A model with its own train_step may keep more (a GAN's d_optimizer, g_optimizer).
+    optimizers.update(step_state.step_optimizers(model))
+    for attribute, optimizer in optimizers.items():
+        if optimizer is not None and getattr(optimizer, "built", False):
+            found.update({f"{attribute}/{i}": variable
+                          for i, variable in enumerate(optimizer.variables)})
     return found
 
 
@@ -281,7 +287,7 @@ def _build_optimizer(model, reader) -> None:
 def _check_same_model(reader, variables, directory) -> None:
     stored = reader.variables
     problems = []
-    for part in ("model", "optimizer"):
+    for part in sorted({name.split("/")[0] for name in (*variables, *stored)}):
         ours = [name for name in variables if name.startswith(part + "/")]
         theirs = [name for name in stored if name.startswith(part + "/")]
         if len(ours) != len(theirs):

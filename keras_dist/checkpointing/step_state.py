@@ -53,8 +53,9 @@ def build_step_state(model, iterator) -> None:
 
     Traces the step once on the input's element spec (no batch is read, nothing runs)
     with each unbuilt optimizer's `apply` recording the variables it is handed, then
-    builds each optimizer on them in cross-replica context, as Keras builds
-    `model.optimizer` for a model that has `call()`.
+    builds each optimizer on them in cross-replica context (in the model's
+    `keras.distribution` distribution, if any), as Keras builds `model.optimizer` for a
+    model that has `call()`.
 
     `iterator`: the iterator `fit` passes to `model.train_function`.
     """
@@ -87,7 +88,12 @@ def build_step_state(model, iterator) -> None:
     finally:
         for optimizer in unbuilt:
             optimizer.__dict__.pop("apply", None)
-    with strategy.scope():
+    from keras_dist.distribution.training import distribution_of
+
+    # Under a keras.distribution distribution the slots are laid out on its mesh, as the
+    # step's own build (in the distribution's scope) lays them out.
+    distribution = distribution_of(model)
+    with distribution.scope() if distribution is not None else strategy.scope():
         for optimizer in unbuilt:
             if id(optimizer) in seen and not optimizer.built:
                 optimizer.build(seen[id(optimizer)])
