@@ -28,7 +28,9 @@ Two DTensor defects are contained here (both silent, both measured on 4 virtual 
 It also tags what a distribution's `distribute_dataset` returns with the input's order
 (`keras_dist.data.order.keras_split`): a `tf.data.Dataset` of global batches, which Keras
 splits between the processes, has the same global batches on any process count, so
-`BackupAndRestore` resumes it mid-epoch on another one.
+`BackupAndRestore` resumes it mid-epoch on another one. (Keras 3.15 splits it in
+`Distribution.distribute_dataset`; the 3.16 nightlies split it in the TF data adapter, not
+tagged yet: there such a resume on another process count is refused, as before.)
 
 The probe reads Keras's TensorFlow `distribution_lib`: once it has the functions
 `keras.distribution` calls on JAX, keras_dist steps aside (the fix is not applied, and
