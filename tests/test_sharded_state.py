@@ -42,6 +42,27 @@ def test_blocks_are_owned_once_and_regions_read_back_across_layouts(tmp_path):
                                       value[position:position + 1])
 
 
+class _Died(Exception):
+    """The training process "dies" here (raised from a callback)."""
+
+
+def _dies_after(steps):
+    """A callback raising `_Died` at the end of the `steps`-th batch of the fit it joins."""
+    import keras
+
+    class DiesAfter(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.batches = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batches += 1
+            if self.batches == steps:
+                raise _Died()
+
+    return DiesAfter()
+
+
 def _scenarios(directory):
     import os
 
@@ -84,26 +105,17 @@ def _scenarios(directory):
     # SGD with momentum): both optimizers' slots are in the backup.
     import custom_steps as corpus
 
-    def gan(dies=False, **kwargs):
-        class DiesAfterStep3(keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                if dies and batch == 2:
-                    raise Died()
-
+    def gan(**kwargs):
         return corpus.train("gan_fixed_noise", epochs=2, evaluate=False, momentum=0.9,
-                            callbacks=[DiesAfterStep3(), *kwargs.pop("callbacks", [])],
                             **kwargs)["weights"]
 
     from keras_dist.callbacks import BackupAndRestore
 
-    class Died(Exception):
-        pass
-
     gan_dir = os.path.join(directory, "gan")
     backup = BackupAndRestore(gan_dir, save_freq=2)
     try:
-        gan(dies=True, strategy=FSDP(min_elements=64), callbacks=[backup])
-    except Died:
+        gan(strategy=FSDP(min_elements=64), callbacks=[_dies_after(3), backup])
+    except _Died:
         backup._writing.wait()
     out["gan parts"] = sorted({name.split("/")[0] for name in shards.StateReader(
         os.path.join(gan_dir, "backup-000001.state")).variables})
@@ -179,14 +191,6 @@ def _scenarios(directory):
     reference = build()
     reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
 
-    class Died(Exception):
-        pass
-
-    class Dies(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if int(self.model.optimizer.iterations.numpy()) == 6:
-                raise Died()
-
     for name, before, after in (("(2, 2) -> one device", model_parallel((2, 2)), None),
                                 ("fsdp -> (1, 4)", FSDP(min_elements=64),
                                  model_parallel((1, 4)))):
@@ -196,8 +200,8 @@ def _scenarios(directory):
         backup = BackupAndRestore(backup_dir, save_freq=3)
         try:
             first.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-                      callbacks=[backup, Dies()])
-        except Died:
+                      callbacks=[backup, _dies_after(6)])
+        except _Died:
             backup._writing.wait()  # the process dies with its last backup on disk
         out[f"{name} files"] = sorted(os.listdir(backup_dir))
         if after is None:
@@ -285,7 +289,6 @@ def _fsdp_workers_die_after_step_6(backup_dir):
     """One launched worker: FSDP over 2 x 2 CPUs, a backup every 4 steps; dies at step 6."""
     import os
 
-    import keras
     from keras import distribution as kd
 
     import keras_dist
@@ -294,20 +297,11 @@ def _fsdp_workers_die_after_step_6(backup_dir):
 
     kd.initialize()  # the job from TF_CONFIG, as keras-dist launch sets it
     kd.set_distribution(keras_dist.distribution.FSDP(min_elements=64))
-
-    class Died(Exception):
-        pass
-
-    class Dies(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if int(self.model.optimizer.iterations.numpy()) == 6:
-                raise Died()
-
     model, data = _mlp_and_data()
     backup = BackupAndRestore(backup_dir, save_freq=4)
     try:
-        model.fit(data, epochs=2, verbose=0, callbacks=[backup, Dies()])
-    except Died:
+        model.fit(data, epochs=2, verbose=0, callbacks=[backup, _dies_after(6)])
+    except _Died:
         backup._writing.wait()  # the process dies with its last backup on disk
     state = os.path.join(backup_dir, "backup-000001.state")
     written = sorted(name for name in os.listdir(state) if name.endswith(".blocks"))

@@ -29,10 +29,11 @@ import time
 import uuid
 from typing import Callable
 
+from keras_dist.checkpointing.shards import INDEX_NAME
+
 METADATA_NAME = "backup.json"
 FORMAT = "keras_dist.BackupAndRestore/1"
 _WEIGHTS_RE = re.compile(r"^backup-(\d{6,})\.(weights\.h5|state)$")
-STATE_INDEX = "index.json"  # shards.INDEX_NAME
 _TMP_PREFIX = ".tmp-keras-dist-"
 
 
@@ -119,7 +120,7 @@ def read_backup(directory: str, verify: bool = True) -> Backup | None:
             "start training from scratch."
         ) from None
     weights_path = os.path.join(directory, weights_name)
-    checked = (os.path.join(weights_path, STATE_INDEX) if weights_name.endswith(".state")
+    checked = (os.path.join(weights_path, INDEX_NAME) if weights_name.endswith(".state")
                else weights_path)
     if not os.path.isfile(checked):
         raise BackupError(
@@ -176,7 +177,7 @@ def commit_state(directory: str, seq: int, epoch: int, step: int, num_workers: i
     name = state_name(seq)
     path = os.path.join(directory, name)
     size = sum(os.path.getsize(os.path.join(path, entry)) for entry in os.listdir(path))
-    _write_metadata(directory, name, sha256_of(os.path.join(path, STATE_INDEX)), size, epoch,
+    _write_metadata(directory, name, sha256_of(os.path.join(path, INDEX_NAME)), size, epoch,
                     step, seq, num_workers, num_replicas, input_order)
     _remove_stale(directory, keep=name, below=seq)
     return Backup(epoch, step, seq, path, num_workers, num_replicas, input_order)

@@ -112,7 +112,6 @@ class Snapshot:
     variables: dict
     process: int
     num_processes: int
-    bytes: int = 0
 
     def blocks(self):
         for index, (name, pieces) in enumerate(self.parts):
@@ -120,9 +119,7 @@ class Snapshot:
             # a buffer the snapshot still holds.
             self.parts[index] = (name, [])
             for start, component in pieces:
-                array = np.asarray(component)
-                self.bytes += array.nbytes
-                yield shards.Block(name, start, array)
+                yield shards.Block(name, start, np.asarray(component))
 
 
 def _processes() -> tuple[int, int]:
