@@ -267,24 +267,33 @@ def _remove_stale(directory: str, keep: str | None, below: int | None = None) ->
                 pass
 
 
+def check_directory(path, argument: str, *, caller: str = "", hint: str = "") -> str:
+    """`path` as a str, or a clear error for what cannot be a directory argument.
+
+    `argument` names the argument in the message, `caller` (e.g. "save_state") prefixes
+    it, and `hint` says what to do when `path` is an existing file.
+    """
+    where = f"{caller}: argument" if caller else "Argument"
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(
+            f"{where} `{argument}` must be a directory path (str or os.PathLike). "
+            f"Received: {argument}={path!r} of type {type(path).__name__}"
+        )
+    if not path.strip():
+        raise ValueError(f"{where} `{argument}` must be a non-empty directory path. "
+                         f"Received: {argument}={path!r}")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{where} `{argument}` must be a directory, but {path!r} is a "
+                         f"file.{' ' + hint if hint else ''}")
+    return path
+
+
 def check_backup_dir(backup_dir) -> str:
     """`backup_dir` as a str, or a clear error for what cannot be a backup directory."""
-    if isinstance(backup_dir, os.PathLike):
-        backup_dir = os.fspath(backup_dir)
-    if not isinstance(backup_dir, str):
-        raise TypeError(
-            "Argument `backup_dir` must be a directory path (str or os.PathLike). "
-            f"Received: backup_dir={backup_dir!r} of type {type(backup_dir).__name__}"
-        )
-    if not backup_dir:
-        raise ValueError("Argument `backup_dir` must be a non-empty directory path. "
-                         "Received: backup_dir=''")
-    if os.path.exists(backup_dir) and not os.path.isdir(backup_dir):
-        raise ValueError(
-            f"Argument `backup_dir` must be a directory, but {backup_dir!r} is a file. "
-            "Give BackupAndRestore a directory of its own."
-        )
-    return backup_dir
+    return check_directory(backup_dir, "backup_dir",
+                           hint="Give BackupAndRestore a directory of its own.")
 
 
 def check_same_backup(rows, backup_dir: str) -> None:

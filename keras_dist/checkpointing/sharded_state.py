@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from keras_dist.checkpointing import shards
+from keras_dist.checkpointing import files
 from keras_dist.checkpointing.files import BackupError
 
 __all__ = ["Snapshot", "is_sharded", "restore_state", "save_state", "snapshot",
@@ -180,14 +181,7 @@ def _checked(model, directory, function: str) -> str:
     if not model.variables:
         raise ValueError(f"{function}: the model {model.name!r} has no variables yet. Build "
                          "it first (call it on a batch, `model.build(input_shape)`, or fit).")
-    if isinstance(directory, os.PathLike):
-        directory = os.fspath(directory)
-    if not isinstance(directory, str) or not directory.strip():
-        raise ValueError(f"{function}: argument `directory` must be a non-empty directory "
-                         f"path (str or os.PathLike). Received: {directory!r}.")
-    if os.path.isfile(directory):
-        raise ValueError(f"{function}: argument `directory` must be a directory, but "
-                         f"{directory!r} is a file.")
+    directory = files.check_directory(directory, "directory", caller=function)
     return directory.rstrip(os.sep) or os.sep
 
 
