@@ -11,7 +11,11 @@ An MLP whose kernels and Adam slots make at least 50 MB of state (quick: 1024 ->
   step (`checkpointing/sharded_state.snapshot`), written by a background thread.
 
 Two settings, the same mesh of 4 devices: one process with 4 virtual CPUs, and 2 launched
-workers x 2 virtual CPUs (the input a `tf.data.Dataset` of global batches). Per variant,
+workers x 2 virtual CPUs (the input a `tf.data.Dataset` of global batches); and a third,
+`keras_dist.strategy()` (MirroredStrategy) on 4 virtual CPUs in one process, which asks
+whether the same machinery would make `BackupAndRestore` faster there too: `whole` is its
+`.weights.h5` file written in the step, `sharded` the snapshot and background writer
+(every value is whole on each replica there: the chief writes each once). Per variant,
 fresh processes: the steady-state step without a save and with one (the chief's wall time
 from one batch's start to the next's), bytes written per backup by all processes, the
 largest peak memory rise of a process while saving, and the time to restore the backup
@@ -45,8 +49,13 @@ def settings(mode: str) -> dict:
     )
 
 
-def measure(config: dict, variant: str, directory: str, workers: int = 1) -> dict:
-    """One variant in this process (on `workers` launched processes: this one's part)."""
+def measure(config: dict, variant: str, directory: str, workers: int = 1,
+            engine: str = "fsdp") -> dict:
+    """One variant in this process (on `workers` launched processes: this one's part);
+    `engine` "fsdp" (keras.distribution) or "strategy" (`keras_dist.strategy()`)."""
+    import contextlib
+    import dataclasses
+
     import os
     import shutil
     import tempfile
@@ -59,12 +68,17 @@ def measure(config: dict, variant: str, directory: str, workers: int = 1) -> dic
 
     import keras_dist
     from keras_dist.checkpointing import restore_state, sharded_state
+    from keras_dist.checkpointing.background import BackgroundWrite
     from keras_dist.distribution import backend
 
     if workers > 1:
         kd.initialize()  # the job from TF_CONFIG
-    process = backend.process_id()
-    kd.set_distribution(keras_dist.distribution.FSDP(min_elements=1024))
+    process = backend.process_id() if engine == "fsdp" else 0
+    if engine == "fsdp":
+        kd.set_distribution(keras_dist.distribution.FSDP(min_elements=1024))
+        scope = contextlib.nullcontext
+    else:
+        scope = keras_dist.strategy().scope
     steps = SAVE_EVERY * (config["saves"] + 1)
     x, y = common.synthetic_classification(config["batch"] * steps, config["features"])
     # Global batches (keras.distribution splits each between the processes).
@@ -72,6 +86,10 @@ def measure(config: dict, variant: str, directory: str, workers: int = 1) -> dic
                                                              drop_remainder=True)
 
     def build():
+        with scope():
+            return _build()
+
+    def _build():
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
             [keras.Input((config["features"],))]
@@ -103,9 +121,29 @@ def measure(config: dict, variant: str, directory: str, workers: int = 1) -> dic
                 os.makedirs(whole_dir, exist_ok=True)
                 self.model.save_weights(os.path.join(whole_dir, "backup.weights.h5"))
 
-    saver = (WholeEvery() if variant == "whole" else
-             keras_dist.callbacks.BackupAndRestore(backup_dir, save_freq=SAVE_EVERY,
-                                                   delete_checkpoint=False))
+    class AsyncEvery(keras.callbacks.Callback):  # the sharded machinery, under a strategy
+        def __init__(self):
+            super().__init__()
+            self.writer, self.saves = BackgroundWrite(), 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (batch + 1) % SAVE_EVERY == 0:
+                state = dataclasses.replace(sharded_state.snapshot(self.model), process=0,
+                                            num_processes=1)
+                self.saves += 1
+                target = os.path.join(backup_dir, f"backup-{self.saves:06d}.state")
+                self.writer.submit(target, lambda: sharded_state.write_snapshot(state, target))
+
+        def on_train_end(self, logs=None):
+            self.writer.wait()
+
+    if variant == "whole":
+        saver = WholeEvery()
+    elif engine == "strategy":
+        saver = AsyncEvery()
+    else:
+        saver = keras_dist.callbacks.BackupAndRestore(backup_dir, save_freq=SAVE_EVERY,
+                                                      delete_checkpoint=False)
     with common.RssSampler() as memory:
         model.fit(data, epochs=1, verbose=0, callbacks=[Clock(), saver])
     steps_s = np.diff(starts)
@@ -128,18 +166,20 @@ def measure(config: dict, variant: str, directory: str, workers: int = 1) -> dic
         shutil.rmtree(backup_dir, ignore_errors=True)
     if whole_dir != backup_dir:
         shutil.rmtree(whole_dir, ignore_errors=True)
-    kd.set_distribution(None)
+    if engine == "fsdp":
+        kd.set_distribution(None)
     return {"variant": variant, "state_bytes": state_bytes, "bytes_written": written,
             "step_s": common.median(without), "save_step_s": common.median(with_save),
             "save_peak_mb": (memory.peak - memory.start) / (1 << 20),
             "restore_s": restore_s}
 
 
-def _variant(config: dict, variant: str, directory: str, workers: int) -> dict:
+def _variant(config: dict, variant: str, directory: str, workers: int,
+             engine: str = "fsdp") -> dict:
     """A variant's figures: the chief's steps, the bytes of every process together, the
     largest memory rise and restore time of a process."""
     kwargs = {"config": config, "variant": variant, "directory": directory,
-              "workers": workers}
+              "workers": workers, "engine": engine}
     if workers == 1:
         return common.run_isolated(measure, kwargs=kwargs, virtual_devices=DEVICES)
     parts = common.run_workers(measure, workers, kwargs=kwargs,
@@ -175,6 +215,8 @@ def run(mode: str) -> dict:
                        state_mb=results["sharded"]["state_bytes"] / (1 << 20))
         else:
             out["workers"] = dict(ratios, variants=results)
+    results = {name: _variant(config, name, directory, 1, "strategy") for name in VARIANTS}
+    out["strategy"] = dict(_ratios(results["whole"], results["sharded"]), variants=results)
     return out
 
 
@@ -183,13 +225,15 @@ def report(result: dict) -> None:
     settings_ = [(f"{DEVICES} CPUs, 1 process", result)]
     if "workers" in result:
         settings_.append((f"{WORKERS} workers x {DEVICES // WORKERS} CPUs", result["workers"]))
+    if "strategy" in result:
+        settings_.append((f"keras_dist.strategy(), {DEVICES} CPUs", result["strategy"]))
     rows = [(where, name, common.format_bytes(v["state_bytes"]),
              common.format_bytes(v["bytes_written"]), v["step_s"] * 1000,
              v["save_step_s"] * 1000, v["save_peak_mb"], v["restore_s"] * 1000)
             for where, figures in settings_ for name, v in figures["variants"].items()]
     common.print_table(
-        f"checkpoint: MLP {config['features']}->{config['hidden']}->10, Adam, FSDP on "
-        f"{DEVICES} devices, a backup every {SAVE_EVERY} steps",
+        f"checkpoint: MLP {config['features']}->{config['hidden']}->10, Adam, FSDP (or a "
+        f"strategy) on {DEVICES} devices, a backup every {SAVE_EVERY} steps",
         ["setting", "variant", "state", "written / backup (all processes)", "step (ms)",
          "step with save (ms)", "memory rise (MB, a process)", "restore (ms)"], rows)
     for where, figures in settings_:

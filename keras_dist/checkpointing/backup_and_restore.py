@@ -15,7 +15,7 @@ import tempfile
 from keras_dist import _validation
 from keras_dist.callbacks.base import Callback
 from keras_dist.checkpointing import elastic, files, preemption, sharded_state, step_state
-from keras_dist.checkpointing.background import BackgroundWrite
+from keras_dist.checkpointing.background import BackgroundWrite, join_writes_into
 from keras_dist.checkpointing.files import BackupError
 from keras_dist.checkpointing.preemption import PREEMPTION_EXIT_CODE
 from keras_dist.checkpointing.step_skipper import StepSkipper
@@ -144,7 +144,7 @@ class BackupAndRestore(Callback):
         self.preemption_exit_code = preemption_exit_code
         self.preempted = False
         self._sigterm = preemption.SigtermFlag()
-        self._writing = BackgroundWrite()
+        self._writing = BackgroundWrite(os.path.abspath(self.backup_dir))
         self._reset_run_state()
 
     def _reset_run_state(self):
@@ -167,6 +167,7 @@ class BackupAndRestore(Callback):
         self.preempted = False
         strategy = self.model.distribute_strategy
         self._multi_worker = preemption.is_multi_worker(strategy)
+        join_writes_into(self._writing.key)  # a write of a fit that raised, still going
         backup = files.read_backup(self.backup_dir)
         found = (1, backup.epoch, backup.step, backup.seq) if backup else (0, 0, 0, 0)
         if self._multi_worker:
@@ -209,8 +210,21 @@ class BackupAndRestore(Callback):
         if self._stop_requested():
             self._stop_for_preemption(epoch + 1, 0, saved=self.save_freq == "epoch")
 
+    def wait_until_finished(self) -> None:
+        """Blocks until the backup being written in the background (under a
+        `keras.distribution` distribution) is complete.
+
+        `fit`'s end, the next save and a SIGTERM stop call it; call it yourself after a
+        `fit` that raised, before reading `backup_dir` (the next `fit` with a
+        `BackupAndRestore` on the same directory waits for it too).
+
+        Raises:
+            BackupError: That write failed (the previous backup is still the current one).
+        """
+        self._writing.wait()
+
     def on_train_end(self, logs=None):
-        self._writing.wait()  # the last backup is complete (or its error raised) first
+        self.wait_until_finished()  # the last backup is complete (or its error raised)
         self._sigterm.uninstall()
         if self._skipper is not None:
             self._skipper.remove(self.model)

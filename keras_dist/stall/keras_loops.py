@@ -97,6 +97,8 @@ def _wrap_entry(method):
             return method(self, *args, **kwargs)
         finally:
             progress.loops_ended_to(depth)
+            if depth == 0:
+                reporter.publish_now()  # outside Keras loops: say so before an exit
 
     setattr(entry, _MARK, method)
     return entry

@@ -25,7 +25,7 @@ import time
 
 from keras_dist.stall import progress as _progress
 
-__all__ = ["PROGRESS_FILE_ENV", "STACK_SIGNAL", "ensure_started", "stack_path"]
+__all__ = ["PROGRESS_FILE_ENV", "STACK_SIGNAL", "ensure_started", "publish_now", "stack_path"]
 
 PROGRESS_FILE_ENV = "KERAS_DIST_PROGRESS_FILE"
 STACK_SIGNAL = signal.SIGUSR1
@@ -61,29 +61,56 @@ def ensure_started() -> None:
 
 
 def _start_file_reporter(path: str) -> None:
-    global _stack_file
+    global _stack_file, _file
     try:
         _stack_file = open(stack_path(path), "w")
         faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True)
         signalled = int(STACK_SIGNAL)
     except (OSError, ValueError, RuntimeError):  # no such directory, no signals here
         signalled = None
-    threading.Thread(target=_publish_to_file, args=(path, signalled), daemon=True,
+    _file = _RecordFile(path, signalled)
+    threading.Thread(target=_publish_to_file, args=(_file,), daemon=True,
                      name="keras-dist-progress").start()
 
 
-def _publish_to_file(path: str, signalled: int | None) -> None:
-    last, written = None, 0.0
-    temporary = f"{path}.{os.getpid()}.tmp"
-    while True:
-        record = dict(_progress.current().record(), stack_signal=signalled)
-        now = time.monotonic()
-        if record != last or now - written >= REFRESH:
-            try:
-                with open(temporary, "w") as file:
-                    json.dump(record, file)
-                os.replace(temporary, path)
-            except OSError:
-                return  # the launcher removed the directory: the attempt is over
-            last, written = record, now
+class _RecordFile:
+    """The progress file: the record written whole (temporary file + rename), by the
+    publishing thread or by `publish_now`, one at a time (never an older record last)."""
+
+    def __init__(self, path: str, signalled: int | None):
+        self.path, self.signalled = path, signalled
+        self.temporary = f"{path}.{os.getpid()}.tmp"
+        self.last, self.written = None, 0.0
+        self.lock = threading.Lock()
+
+    def write(self, force: bool = False) -> bool:
+        """Writes the record if it changed (or is due, or `force`); False once the
+        launcher removed the directory."""
+        with self.lock:
+            record = dict(_progress.current().record(), stack_signal=self.signalled)
+            now = time.monotonic()
+            if force or record != self.last or now - self.written >= REFRESH:
+                try:
+                    with open(self.temporary, "w") as file:
+                        json.dump(record, file)
+                    os.replace(self.temporary, self.path)
+                except OSError:
+                    return False  # the launcher removed the directory: the attempt is over
+                self.last, self.written = record, now
+            return True
+
+
+_file: _RecordFile | None = None
+
+
+def publish_now() -> None:
+    """Writes this process's record at once (a Keras loop returned): a process that ends
+    right after `fit` must not leave the watcher its record of half a second before."""
+    record_file = _file
+    if record_file is not None and _started_pid == os.getpid():
+        record_file.write(force=True)
+
+
+def _publish_to_file(record_file: _RecordFile) -> None:
+    while record_file.write():
         time.sleep(INTERVAL)
