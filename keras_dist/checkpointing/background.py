@@ -1,12 +1,13 @@
-"""Writes a backup while training goes on: one write at a time in a daemon thread.
+"""Writes a backup while training goes on: one write at a time in a thread of its own.
 
-`BackupAndRestore` under a distribution snapshots the state (the reads of the blocks this
-process owns: the only part a step waits for) and hands the write to a `BackgroundWrite`. The next
-save, the end of `fit` and a SIGTERM stop `wait()` for it; a write that failed raises
-there, as a `BackupError` naming the backup, never silently. A `fit` that raises leaves
-its write going: the thread is not a daemon, so the interpreter's exit waits for it (a
-kill does not: the previous backup is then the current one), and the next `fit` on the
-same directory joins it before it reads the directory (`join_writes_into`).
+`BackupAndRestore` under a distribution snapshots the state (the reads of the blocks
+this process owns: the only part a step waits for) and hands the write to a
+`BackgroundWrite`. The next save, the end of `fit` and a SIGTERM stop `wait()` for it; a
+write that failed raises there, as a `BackupError` naming the backup, never silently.
+A `fit` that raises leaves its write going: the thread is not a daemon, so the
+interpreter's exit waits for it (a kill does not: the previous backup is then the
+current one), and the next `fit` on the same directory joins it before it reads the
+directory (`join_writes_into`).
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ import time
 
 import numpy as np
 
-from keras_dist.checkpointing import shards
-from keras_dist.checkpointing import files
+from keras_dist.checkpointing import files, shards
 from keras_dist.checkpointing.files import BackupError
 
 __all__ = ["Snapshot", "is_sharded", "restore_state", "save_state", "snapshot",

@@ -83,13 +83,13 @@ class _RecordFile:
         self.last, self.written = None, 0.0
         self.lock = threading.Lock()
 
-    def write(self, force: bool = False) -> bool:
-        """Writes the record if it changed (or is due, or `force`); False once the
-        launcher removed the directory."""
+    def write(self) -> bool:
+        """Writes the record if it changed (or is due); False once the launcher removed
+        the directory."""
         with self.lock:
             record = dict(_progress.current().record(), stack_signal=self.signalled)
             now = time.monotonic()
-            if force or record != self.last or now - self.written >= REFRESH:
+            if record != self.last or now - self.written >= REFRESH:
                 try:
                     with open(self.temporary, "w") as file:
                         json.dump(record, file)
@@ -108,7 +108,7 @@ def publish_now() -> None:
     right after `fit` must not leave the watcher its record of half a second before."""
     record_file = _file
     if record_file is not None and _started_pid == os.getpid():
-        record_file.write(force=True)
+        record_file.write()
 
 
 def _publish_to_file(record_file: _RecordFile) -> None:
