@@ -3,9 +3,10 @@
 Google's "Distributed tuning with Gemma using Keras" at toy size: a keras-hub CausalLM
 (random init) with `backbone.enable_lora(4)`, trained with Adam, then sampled greedily, on
 `ModelParallel` (keras-hub's own layout map) (1, 4) and (2, 2), `DataParallel(4)` and
-`keras_dist.distribution.FSDP`, each against the same steps on one device; in float32 and
-in `mixed_bfloat16`; and full fine-tuning (Adam) with keras-hub's layouts on (2, 2). One
-process (4 virtual CPUs) per backbone; each test asserts one case.
+`keras_dist.distribution.FSDP` (Llama: (2, 2) and FSDP), each against the same steps on
+one device; in float32 and in `mixed_bfloat16`; and full fine-tuning (Adam) with
+keras-hub's layouts on (2, 2). One process (4 virtual CPUs) per backbone; each test
+asserts one case.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from keras_dist.testing import run_in_subprocess
 pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
 
 MESHES = ("mp14", "mp22", "dp4", "fsdp")
+# float32 LoRA per backbone: Llama on its own layout map (2, 2) and FSDP; its (1, 4) and
+# DataParallel runs repeated Gemma's assertions (the same engine paths; ~10 CPU-seconds).
+F32_MESHES = {"gemma": MESHES, "llama": ("mp22", "fsdp")}
 BF16_MESHES = {"gemma": ("mp22", "fsdp"), "llama": ("mp22",)}
 # With Adam every step moves a weight by about the learning rate, so bf16's rounding
 # differences show up as ~lr x steps. The same workflow on Keras's JAX backend (keras
@@ -136,7 +140,7 @@ def _workflow(backbone_name):
     # one device, summed per id by keras_dist's fix, and a dense one on the mesh).
     keras_dist.compat.apply(["sparse_duplicates_summed"])
     out = {"full_mp22": compare(run("mp22", lora=False), run("one_device", lora=False))}
-    for policy, meshes in (("float32", MESHES),
+    for policy, meshes in (("float32", F32_MESHES[backbone_name]),
                            ("mixed_bfloat16", BF16_MESHES[backbone_name])):
         keras.config.set_dtype_policy(policy)
         try:
@@ -148,15 +152,30 @@ def _workflow(backbone_name):
     return out
 
 
-@pytest.fixture(scope="module", params=["gemma", "llama"])
-def workflow(request):
-    return request.param, run_in_subprocess(_workflow, args=(request.param,),
-                                            virtual_devices=4, timeout=600)
+def _run_workflow(name):
+    return name, run_in_subprocess(_workflow, args=(name,), virtual_devices=4, timeout=600)
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_lora_fit_and_greedy_generate_equal_one_device_in_float32(workflow, mesh):
-    name, out = workflow
+# One fixture per backbone (not one parametrized fixture): the float32 test's (backbone,
+# mesh) pairs differ per backbone, and each workflow must run once.
+@pytest.fixture(scope="module")
+def gemma():
+    return _run_workflow("gemma")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _run_workflow("llama")
+
+
+BACKBONES = pytest.mark.parametrize("backbone", sorted(F32_MESHES))
+
+
+@pytest.mark.parametrize("backbone,mesh", [
+    (name, mesh) for name, meshes in sorted(F32_MESHES.items()) for mesh in meshes])
+def test_lora_fit_and_greedy_generate_equal_one_device_in_float32(request, backbone, mesh):
+    name, out = request.getfixturevalue(backbone)
+    assert set(out["float32"]) == {*F32_MESHES[name], "one_device_tokens"}
     got = out["float32"][mesh]
     assert got["loss"] < 1e-4 and got["weights"] < 1e-4, (name, mesh, got)
     assert got["tokens_equal"], (name, mesh, got, out["float32"]["one_device_tokens"])
@@ -168,8 +187,9 @@ def test_lora_fit_and_greedy_generate_equal_one_device_in_float32(workflow, mesh
         assert got["sharded"] > 0, got
 
 
-def test_full_fine_tuning_with_keras_hubs_layouts_equals_one_device(workflow):
-    name, out = workflow
+@BACKBONES
+def test_full_fine_tuning_with_keras_hubs_layouts_equals_one_device(request, backbone):
+    name, out = request.getfixturevalue(backbone)
     got = out["full_mp22"]
     assert got["forward"] < 1e-5 and got["weights"] < 1e-5 and got["loss"] < 1e-5, got
     assert len(got["trainable"]) > 8  # every weight trains
@@ -177,8 +197,9 @@ def test_full_fine_tuning_with_keras_hubs_layouts_equals_one_device(workflow):
     assert got["embedding_shards"] == [(48, 16)] * 4, got
 
 
-def test_lora_in_mixed_bfloat16_stays_within_bf16_tolerance(workflow):
-    name, out = workflow
+@BACKBONES
+def test_lora_in_mixed_bfloat16_stays_within_bf16_tolerance(request, backbone):
+    name, out = request.getfixturevalue(backbone)
     # Each of the backbone's bf16 meshes (BF16_MESHES: the slow lane's budget).
     assert set(out["mixed_bfloat16"]) == {*BF16_MESHES[name], "one_device_tokens"}
     for mesh in BF16_MESHES[name]:

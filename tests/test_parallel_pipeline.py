@@ -63,27 +63,30 @@ def _equivalence_matrix():
         ref_logs = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         for stages in (2, 4):
             for microbatches in (1, 2, 4, 8):
-                for remat in (False, True):
-                    pipe = PipelineModel(split_sequential(base, stages),
-                                         num_microbatches=microbatches, remat=remat)
-                    # Tracing dominates these tiny models: the compiled (tf.function) path
-                    # runs for M=4, the others eagerly (same code, no trace).
-                    pipe.compile(optimizer=optimizer(), loss="mse", metrics=["mae"],
-                                 run_eagerly=microbatches != 4)
-                    logs = pipe.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-                    weights = max(float(np.abs(a - b).max()) for a, b in
-                                  zip(reference.get_weights(), pipe.get_weights()))
-                    metrics = max(abs(logs.history[k][-1] - ref_logs.history[k][-1])
-                                  for k in ("loss", "mae"))
-                    diffs[f"{name} K={stages} M={microbatches} remat={remat}"] = (
-                        weights, metrics)
+                # Every pair of (optimizer, stages, micro-batches, remat) values once: remat
+                # alternates with each of the other three (16 cases, not all 32).
+                remat = (stages == 4) ^ (microbatches in (2, 8)) ^ (name == "adam")
+                pipe = PipelineModel(split_sequential(base, stages),
+                                     num_microbatches=microbatches, remat=remat)
+                # Tracing dominates these tiny models: the compiled (tf.function) path
+                # runs for M=4, the others eagerly (same code, no trace).
+                pipe.compile(optimizer=optimizer(), loss="mse", metrics=["mae"],
+                             run_eagerly=microbatches != 4)
+                logs = pipe.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+                weights = max(float(np.abs(a - b).max()) for a, b in
+                              zip(reference.get_weights(), pipe.get_weights()))
+                metrics = max(abs(logs.history[k][-1] - ref_logs.history[k][-1])
+                              for k in ("loss", "mae"))
+                diffs[f"{name} K={stages} M={microbatches} remat={remat}"] = (
+                    weights, metrics)
     return diffs
 
 
 @pytest.mark.slow
 def test_pipeline_equals_unsplit_model_sgd_and_adam():
     diffs = local_results()["equivalence"]
-    assert len(diffs) == 32
+    assert len(diffs) == 16
+    assert {case.split("remat=")[1] for case in diffs} == {"False", "True"}
     for case, (weights, metrics) in diffs.items():
         print(f"{case}: weights {weights:.2e} loss/mae {metrics:.2e}")
     for case, (weights, metrics) in diffs.items():

@@ -100,14 +100,11 @@ def _known_open(mode, name):
     return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
 
 
-# The fast lane runs save_and_load (the stock writers' hardest user: one path saved again
-# and again, each save loaded back at once) on one device and on 2 launched workers; the
-# slow lane runs the rest. Every mode starts processes.
-FAST = {("one_device", "save_and_load"), ("two_workers", "save_and_load")}
-
-
-def _lane(mode, name):
-    return [pytest.mark.multiworker] + ([] if (mode, name) in FAST else [pytest.mark.slow])
+# Every tutorial runs in the slow lane, each mode's tutorials in one process (one worker
+# group). save_and_load ran in the fast lane in processes of its own (~40 CPU-seconds of
+# it); the stock writers' fast-lane check is tests/test_stock_writers.py (every writer on
+# one path from 2 workers). Every mode starts processes.
+LANE = [pytest.mark.multiworker, pytest.mark.slow]
 
 
 # ---------------------------------------------------------------------------------------
@@ -314,7 +311,7 @@ def _check_losses_fall(name, result):
 
 @pytest.mark.timeout(MODE_TIMEOUT + 60)
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=_lane("one_device", name)) for name in TUTORIALS])
+    pytest.param(name, marks=LANE) for name in TUTORIALS])
 def test_one_device(mode_runs, name):
     entry = _succeeded(mode_runs, "one_device", name)
     (result,) = entry["results"]
@@ -325,7 +322,7 @@ def test_one_device(mode_runs, name):
 
 @pytest.mark.timeout(MODE_TIMEOUT + 60)
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=_lane("two_devices", name)) for name in TUTORIALS])
+    pytest.param(name, marks=LANE) for name in TUTORIALS])
 def test_two_virtual_devices(mode_runs, name):
     entry = _succeeded(mode_runs, "two_devices", name)
     (result,) = entry["results"]
@@ -336,7 +333,7 @@ def test_two_virtual_devices(mode_runs, name):
 
 @pytest.mark.timeout(MODE_TIMEOUT + 60)
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=_lane("two_workers", name) + _known_open("two_workers", name))
+    pytest.param(name, marks=LANE + _known_open("two_workers", name))
     for name in TUTORIALS])
 def test_two_launched_workers(mode_runs, name):
     entry = _succeeded(mode_runs, "two_workers", name)
@@ -357,7 +354,7 @@ def test_two_launched_workers(mode_runs, name):
 def _mode_params():
     params = []
     for mode in ("two_devices", "two_workers"):
-        params += [pytest.param(mode, name, marks=_lane(mode, name) + _known_open(mode, name),
+        params += [pytest.param(mode, name, marks=LANE + _known_open(mode, name),
                                 id=f"{mode}-{name}")
                    for name in TUTORIALS]
     return params
@@ -382,7 +379,7 @@ def _compare(kind, label, actual, expected):
 def _numeric_params():
     params = []
     for mode, tutorials in COMPARABLE.items():
-        params += [pytest.param(mode, name, id=f"{mode}-{name}", marks=_lane(mode, name) + (
+        params += [pytest.param(mode, name, id=f"{mode}-{name}", marks=LANE + (
                        _known_open(mode, name) or _known_open(f"{mode}-numerics", name)))
                    for name in tutorials]
     return params
