@@ -132,6 +132,9 @@ def test_killed_worker_raises_worker_error_and_leaves_nothing(tmp_path):
 @pytest.mark.multiworker
 @pytest.mark.timeout(60)
 def test_timeout_raises_timeout_error_and_stops_the_workers(tmp_path):
+    # Processes this pytest worker started before (the session's worker pool under -n 0)
+    # are not this launch's.
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
     with pytest.raises(TimeoutError, match="timeout=3 s"):
         run_on_workers(sleep_forever, num_workers=2, args=(str(tmp_path),), timeout=3)
     # Under a 2-worker TF_CONFIG `import keras_dist` prepares TensorFlow's collectives,
@@ -144,7 +147,7 @@ def test_timeout_raises_timeout_error_and_stops_the_workers(tmp_path):
     servers = zygote.server_pids()
     left = [child for child in psutil.Process().children(recursive=True)
             if child.is_running() and child.status() != psutil.STATUS_ZOMBIE
-            and child.pid not in servers]
+            and child.pid not in servers and child.pid not in before]
     assert not left, left
 
 

@@ -8,7 +8,11 @@ Changed, nothing else:
   (`_offline.mnist_load_data`), 320 train (of which 64 for validation) / 64 test;
 - sizes: num_val_samples 10000 -> 64; Dense 256 -> 32 units;
 - `fit`/`evaluate` results are kept, `run_training` returns its model, and a result JSON
-  is written at the end.
+  is written at the end;
+- `os.makedirs(checkpoint_dir)` -> `os.makedirs(checkpoint_dir, exist_ok=True)`: the
+  guide's `if not os.path.exists(...)` then `makedirs` races when several workers share one
+  directory (a shared filesystem, as in tests/test_tutorials.py): both saw no ./ckpt, the
+  second makedirs raised FileExistsError (CI, 2026-12-06).
 Run: python keras_io_guide.py [result.json]   or   keras-dist launch --workers 2 keras_io_guide.py
 """
 
@@ -85,7 +89,7 @@ with strategy.scope():
 # Prepare a directory to store all the checkpoints.
 checkpoint_dir = "./ckpt"
 if not os.path.exists(checkpoint_dir):
-    os.makedirs(checkpoint_dir)
+    os.makedirs(checkpoint_dir, exist_ok=True)
 
 
 def make_or_restore_model():
