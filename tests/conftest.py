@@ -95,6 +95,20 @@ def pytest_runtest_protocol(item, nextitem):
             pytrace=False)
 
 
+@pytest.fixture
+def no_strategy_made(monkeypatch):
+    """This test sees a process where `keras_dist.strategy()` was never called.
+
+    keras_dist functions with `strategy=None` (and `keras_dist.is_chief()` and the like)
+    use the strategy `keras_dist.strategy()` returned last in the process; modules that ran
+    before in the same pytest worker (which ones depends on xdist's scheduling) may have
+    made one.
+    """
+    import keras_dist._runtime  # noqa: F401  (loaded: `keras_dist.strategy` is a function)
+
+    monkeypatch.setattr(sys.modules["keras_dist._runtime"], "_created", [])
+
+
 @pytest.fixture(scope="session")
 def worker_pool():
     """Two local workers (`MultiWorkerMirroredStrategy` on loopback), shared by the session.

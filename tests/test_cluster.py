@@ -335,15 +335,9 @@ def test_slurm_used_without_tf_config():
     assert (config.worker_index, config.is_chief) == (1, False)
 
 
-def test_module_helpers_read_the_environment(monkeypatch):
+def test_module_helpers_read_the_environment(monkeypatch, no_strategy_made):
     # keras_dist.is_chief() & co. prefer the config of a strategy created in this process;
     # this test checks the environment path, so it hides them.
-    import sys
-
-    import keras_dist.strategies  # noqa: F401  (the module, not the factory function)
-
-    # Forget strategies other tests created in this process, for this test only.
-    monkeypatch.setattr(sys.modules["keras_dist._runtime"], "_created", [])
     from keras_dist import cluster
 
     monkeypatch.setenv("TF_CONFIG", make_tf_config(["a:1", "b:1", "c:1"], 2))

@@ -279,10 +279,9 @@ def options_two_workers(worker_pool, tmp_path_factory):
 @pytest.mark.parametrize("option", OPTIONS)
 def test_each_optimizer_of_a_gan_gets_the_option(options_one_device, options_two_workers,
                                                   option):
-    results = options_two_workers
     _, reference_name, tolerance = OPTIONS[option]
     reference = options_one_device[reference_name]["weights"]
-    for result in results if isinstance(results, list) else [results]:
+    for result in options_two_workers:  # one result per worker
         assert max_diff(result[option]["weights"], reference) <= tolerance
     # The option acts: its one-device result differs from plain SGD's (whose float32
     # run equals mixed precision's to 1e-4).

@@ -16,17 +16,8 @@ from keras_dist.testing import run_in_subprocess
 from helpers import write_tfrecords
 
 
-@pytest.fixture(autouse=True)
-def _no_strategy_made_before(monkeypatch):
-    """Each test sees a process where `keras_dist.strategy()` was never called.
-
-    `distribute_dataset(strategy=None)` uses the strategy `keras_dist.strategy()` returned
-    last in the process; tests of other modules run before these in the same pytest
-    worker (which ones depends on xdist's scheduling) may have made one.
-    """
-    import sys
-
-    monkeypatch.setattr(sys.modules["keras_dist._runtime"], "_created", [])
+# `distribute_dataset(strategy=None)` here means: no strategy made in this process.
+pytestmark = pytest.mark.usefixtures("no_strategy_made")
 
 
 def _ids(batches, key=None):

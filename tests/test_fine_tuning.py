@@ -153,7 +153,7 @@ def _workflow(backbone_name):
 
 
 def _run_workflow(name):
-    return name, run_in_subprocess(_workflow, args=(name,), virtual_devices=4, timeout=600)
+    return run_in_subprocess(_workflow, args=(name,), virtual_devices=4, timeout=600)
 
 
 # One fixture per backbone (not one parametrized fixture): the float32 test's (backbone,
@@ -174,7 +174,7 @@ BACKBONES = pytest.mark.parametrize("backbone", sorted(F32_MESHES))
 @pytest.mark.parametrize("backbone,mesh", [
     (name, mesh) for name, meshes in sorted(F32_MESHES.items()) for mesh in meshes])
 def test_lora_fit_and_greedy_generate_equal_one_device_in_float32(request, backbone, mesh):
-    name, out = request.getfixturevalue(backbone)
+    name, out = backbone, request.getfixturevalue(backbone)
     assert set(out["float32"]) == {*F32_MESHES[name], "one_device_tokens"}
     got = out["float32"][mesh]
     assert got["loss"] < 1e-4 and got["weights"] < 1e-4, (name, mesh, got)
@@ -189,7 +189,7 @@ def test_lora_fit_and_greedy_generate_equal_one_device_in_float32(request, backb
 
 @BACKBONES
 def test_full_fine_tuning_with_keras_hubs_layouts_equals_one_device(request, backbone):
-    name, out = request.getfixturevalue(backbone)
+    out = request.getfixturevalue(backbone)
     got = out["full_mp22"]
     assert got["forward"] < 1e-5 and got["weights"] < 1e-5 and got["loss"] < 1e-5, got
     assert len(got["trainable"]) > 8  # every weight trains
@@ -199,7 +199,7 @@ def test_full_fine_tuning_with_keras_hubs_layouts_equals_one_device(request, bac
 
 @BACKBONES
 def test_lora_in_mixed_bfloat16_stays_within_bf16_tolerance(request, backbone):
-    name, out = request.getfixturevalue(backbone)
+    name, out = backbone, request.getfixturevalue(backbone)
     # Each of the backbone's bf16 meshes (BF16_MESHES: the slow lane's budget).
     assert set(out["mixed_bfloat16"]) == {*BF16_MESHES[name], "one_device_tokens"}
     for mesh in BF16_MESHES[name]:

@@ -324,7 +324,7 @@ def _save_and_load_repeatedly(root, saves):
 
 @pytest.mark.multiworker
 @pytest.mark.slow  # a stress test (~60 CPU-s on 2 cores): the fast lane keeps one save per
-# writer (test_every_stock_writer_on_one_path) and the save_and_load tutorial
+# writer (test_every_stock_writer_on_one_path)
 def test_repeated_saves_of_one_path_load_back_what_each_save_wrote(tmp_path, worker_pool):
     saves = 12
     results = worker_pool.run(_save_and_load_repeatedly, args=(str(tmp_path), saves),
