@@ -108,6 +108,15 @@ CASES = {
         r"self\.data_adapter\.on_epoch_begin\(\)",
         "self.data_adapter.on_epoch_begin(epoch=self._steps_seen)",
     ),
+    # A fixed upstream would leave the next epoch to make its own iterator.
+    "one_iterator_per_epoch": (
+        lambda: __import__("keras_dist.compat._internals",
+                           fromlist=["_internals"])._epoch_iterator(),
+        "_enumerate_iterator",
+        r"self\._current_iterator = iter\(self\._get_iterator\(\)\)(\s+self\._steps_seen = 0"
+        r"\s+else:)",
+        r"self._current_iterator = None\1",
+    ),
     "stock_writers_multi_worker": (
         lambda: keras.callbacks.ModelCheckpoint, "_save_model",
         r"self\.model\.save_weights\(filepath, overwrite=True\)",

@@ -31,8 +31,8 @@ import warnings
 
 from keras_dist.compat import (
     _patch, _probe, build_without_call, input_epoch, keras_distribution, loss_scale,
-    optimizer_options, reduce_per_replica, registry, sparse_duplicates, step_loss_scale,
-    symbolic_build, writers,
+    one_iterator_per_epoch, optimizer_options, reduce_per_replica, registry,
+    sparse_duplicates, step_loss_scale, symbolic_build, writers,
 )
 from keras_dist.compat._fix import Fix
 from keras_dist.compat._keras_tf import keras_version
@@ -49,7 +49,8 @@ FIXES: tuple[Fix, ...] = (
     step_loss_scale.FIX, loss_scale.FIX,
     # Before the clip fix: it wraps the `_clip_gradients` this one installs.
     sparse_duplicates.FIX, optimizer_options.CLIP_FIX,
-    optimizer_options.CONDS_FIX, writers.FIX, input_epoch.FIX, keras_distribution.FIX,
+    optimizer_options.CONDS_FIX, writers.FIX, input_epoch.FIX, one_iterator_per_epoch.FIX,
+    keras_distribution.FIX,
 )
 
 _lock = threading.Lock()

@@ -54,10 +54,14 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "keras.Trainer._symbolic_build",
         "Patched by the build_models_without_call fix (keras#20164): skipped for models "
-        "without call(), as Keras does without a strategy.",
-        ("strategy",), "the TF trainer's `_maybe_symbolic_build` still calls it",
+        "without call(), as Keras does without a strategy. The symbolic_build_multi_worker "
+        "fix calls it with an iterator it reads a batch from only when something is unbuilt.",
+        ("strategy",), "the TF trainer's `_maybe_symbolic_build` still calls it; it reads "
+        "`next(...)` of its iterator only when `data_batch is None`",
         _all(_attribute(_base_trainer, "_symbolic_build"),
-             _code_mentions(_TRAINER, "_maybe_symbolic_build", r"self\._symbolic_build\("))),
+             _code_mentions(_TRAINER, "_maybe_symbolic_build", r"self\._symbolic_build\("),
+             _code_mentions(_base_trainer, "_symbolic_build",
+                            r"if data_batch is None:\s+for _, _, \w+ in iterator:"))),
     Internal(
         "keras.TFTrainer._make_function",
         "Patched by the custom_step_loss_scale fix (keras#14104): the step it wraps runs "
@@ -209,7 +213,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "keras.EpochIterator._enumerate_iterator",
         "The input_epoch fix's probe reads it: the epoch loop starts each epoch of the "
-        "input (after the callbacks' on_epoch_begin) without telling it which.",
+        "input (after the callbacks' on_epoch_begin) without telling it which. The "
+        "one_iterator_per_epoch fix wraps it (on TFEpochIterator) and its probe reads it.",
         ("strategy",), "attribute lookup; it still calls `data_adapter.on_epoch_begin`",
         _all(_attribute(_epoch_iterator, "_enumerate_iterator"),
              _code_mentions(_epoch_iterator, "_enumerate_iterator",
@@ -221,6 +226,15 @@ INTERNALS: tuple[Internal, ...] = (
         "before its callbacks start), so BackupAndRestore can check its order.",
         ("strategy",), "`__init__` still sets it from the data adapter's dataset",
         _code_mentions(_tf_epoch_iterator, "__init__", r"self\._distributed_dataset =")),
+    Internal(
+        "keras.TFEpochIterator._get_iterator",
+        "The one_iterator_per_epoch fix makes the iterator the epoch loop asks for after "
+        "an epoch's last step only where a step reads it.",
+        ("strategy",), "the epoch loop still makes its iterators with "
+        "`iter(self._get_iterator())`",
+        _all(_attribute(_tf_epoch_iterator, "_get_iterator"),
+             _code_mentions(_epoch_iterator, "_enumerate_iterator",
+                            r"iter\(self\._get_iterator\(\)\)"))),
     Internal(
         "tf.__internal__.distribute.strategy_supports_no_merge_call",
         "Aggregation picks a replica-context cond or a merge_call like Keras does.",

@@ -7,6 +7,14 @@ MultiWorkerMirroredStrategy that is a cross-worker collective on the input data,
 fails ("Attempt to convert a value (PerReplica...) with an unsupported type") before
 training starts. The build only needs shapes and dtypes, so keras_dist gives it the
 first local replica's batch instead (no collective, no cross-worker traffic).
+
+It also reads that batch only if the build needs one (`Trainer._symbolic_build` asks its
+iterator only while the model, its compiled metrics or loss are unbuilt). Upstream reads
+it on every `fit`, `evaluate` and `predict` call: an input iterator made (under a strategy
+a `MultiDeviceIterator`, whose creation traces its functions) and its pipeline started
+(a shuffle buffer filled) for one batch that a built model, every validation pass after
+the first included, throws away (no upstream issue found: see
+`docs/upstream/epoch_iterator.md`).
 """
 
 from __future__ import annotations
@@ -32,9 +40,40 @@ def probe(function=None) -> str:
     return _probe.verdict_from_source(function, BUG_PATTERN, required=r"data_batch")
 
 
-def apply() -> None:
-    import tensorflow as tf
+class _FirstLocalBatch:
+    """An epoch iterator as `Trainer._symbolic_build` reads it: its first batch, a local
+    replica's part, read only if the build asks for it."""
 
+    def __init__(self, epoch_iterator, strategy):
+        self._epoch_iterator = epoch_iterator
+        self._strategy = strategy
+
+    def __iter__(self):
+        for begin, end, iterator in self._epoch_iterator:
+            yield begin, end, _LocalBatches(iterator, self._strategy)
+            return
+
+
+class _LocalBatches:
+    def __init__(self, iterator, strategy):
+        self._iterator = iterator
+        self._strategy = strategy
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        import tensorflow as tf
+
+        # Only shapes and dtypes matter for building; a local replica's batch has them,
+        # and reading it needs no collective (so no cross-worker traffic).
+        return tf.nest.map_structure(
+            lambda value: (self._strategy.experimental_local_results(value)[0]
+                           if isinstance(value, tf.distribute.DistributedValues) else value),
+            next(self._iterator))
+
+
+def apply() -> None:
     trainer = _keras_tf.trainer_class()
     original = _patch.original(trainer, _ATTRIBUTE)
 
@@ -42,20 +81,8 @@ def apply() -> None:
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         if self._distribute_strategy is None or iterator is None:
             return original(self, iterator=iterator, data_batch=data_batch)
-        for _, _, it in iterator:
-            batch = next(it)
-            # Only shapes and dtypes matter for building; a local replica's batch has
-            # them, and reading it needs no collective (so no cross-worker traffic).
-            data_batch = tf.nest.map_structure(
-                lambda value: (
-                    self.distribute_strategy.experimental_local_results(value)[0]
-                    if isinstance(value, tf.distribute.DistributedValues)
-                    else value
-                ),
-                batch,
-            )
-            break
-        return original(self, iterator=None, data_batch=data_batch)
+        with self.distribute_strategy.scope():
+            self._symbolic_build(iterator=_FirstLocalBatch(iterator, self.distribute_strategy))
 
     _patch.patch(trainer, _ATTRIBUTE, _maybe_symbolic_build, fix=NAME)
 
@@ -64,8 +91,9 @@ FIX = Fix(
     name=NAME,
     upstream="keras-team/keras#20585, tensorflow/tensorflow#72388",
     summary="The symbolic build reads a local replica's batch instead of all-reducing "
-    "the input across workers.",
-    symbols=("keras.TFTrainer._maybe_symbolic_build", "keras.TFTrainer._distribute_strategy"),
+    "the input across workers, and only if something is left to build.",
+    symbols=("keras.TFTrainer._maybe_symbolic_build", "keras.TFTrainer._distribute_strategy",
+             "keras.Trainer._symbolic_build"),
     probe=probe,
     apply=apply,
 )
