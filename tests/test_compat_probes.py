@@ -186,6 +186,16 @@ def test_apply_installs_fixes_and_revert_restores_upstream(clean_compat):
     assert compat.applied() == {}
 
 
+def test_a_strategy_asked_for_again_puts_reverted_fixes_back(clean_compat):
+    import keras_dist
+
+    keras_dist.strategy()
+    compat.revert("input_epoch")
+    assert "input_epoch" not in compat.applied()
+    keras_dist.strategy()  # the strategy made above, from the cache
+    assert compat.applied()["input_epoch"] is True
+
+
 def test_an_undecidable_probe_warns_once_naming_the_fix_and_applies_it(
         clean_compat, monkeypatch):
     module = _keras_tf.trainer_module()

@@ -112,9 +112,17 @@ def strategy(
            timeout_seconds, cluster, cross_device_ops)
     # The most recently requested strategy is the one `strategy=None` means.
     existing = _runtime.find(key)
-    if existing is not None:
-        return existing.strategy
-    return _create(key, startup_timeout_seconds)
+    if existing is None:
+        return _create(key, startup_timeout_seconds)
+    _apply_fixes()  # also for a strategy made before: fixes reverted since come back
+    return existing.strategy
+
+
+def _apply_fixes() -> None:
+    """keras_dist's compat fixes, each applied once (a no-op for those already applied)."""
+    from keras_dist import compat
+
+    compat.apply()
 
 
 def _check_cross_device_ops(cross_device_ops, cluster) -> None:
@@ -138,9 +146,7 @@ def _create(key, startup_timeout_seconds):
         # Before anything runs an op: TensorFlow's own wait for peers has no deadline.
         _rendezvous.meet_peers(cluster, startup_timeout_seconds,
                                before_wait=early_init.check_startup)
-    from keras_dist import compat
-
-    compat.apply()
+    _apply_fixes()
     built = _build(kind, devices, cluster, implementation, bytes_per_pack, timeout_seconds,
                    ops)
     _runtime.remember(_runtime.Created(key=key, strategy=built, kind=kind, cluster=cluster))
