@@ -65,7 +65,10 @@ def quiet_env(env: dict, quiet: bool, explicit: Mapping[str, str | None]) -> Non
             env["TF_CPP_MIN_LOG_LEVEL"] = "0"
     if quiet:
         existing = env.get("PYTHONWARNINGS")
-        env["PYTHONWARNINGS"] = f"{existing},{_SHUFFLE_FILTER}" if existing else _SHUFFLE_FILTER
+        if not existing:
+            env["PYTHONWARNINGS"] = _SHUFFLE_FILTER
+        elif _SHUFFLE_FILTER not in existing.split(","):  # a worker's own launch: set
+            env["PYTHONWARNINGS"] = f"{existing},{_SHUFFLE_FILTER}"
     else:
         env["KERAS_DIST_TF_LOGS"] = "1"
 
