@@ -32,6 +32,7 @@ _PROBES = {"uname", "ldconfig", "lscpu", "nvidia-smi"}
 _running: dict = {"item": None}
 _popen_init = subprocess.Popen.__init__
 _spawn = zygote.spawn
+_SHARED_ZYGOTES = pytest.StashKey[str]()
 
 
 def _starts_processes(item) -> bool:
@@ -69,11 +70,17 @@ def _guarded_spawn(argv, env):
 def pytest_configure(config):
     subprocess.Popen.__init__ = _guarded_popen_init
     zygote.spawn = _guarded_spawn
+    # One set of preloaded worker servers for the whole session: its test processes
+    # (pytest-xdist's, which inherit the variable) and the launchers they start.
+    if zygote.SHARE_ENV not in os.environ:
+        config.stash[_SHARED_ZYGOTES] = zygote.share()
 
 
 def pytest_unconfigure(config):
     subprocess.Popen.__init__ = _popen_init
     zygote.spawn = _spawn
+    if _SHARED_ZYGOTES in config.stash:
+        zygote.unshare(config.stash[_SHARED_ZYGOTES])
 
 
 def _ray_running() -> bool:

@@ -131,7 +131,10 @@ def test_killed_worker_raises_worker_error_and_leaves_nothing(tmp_path):
 
 @pytest.mark.multiworker
 @pytest.mark.timeout(60)
-def test_timeout_raises_timeout_error_and_stops_the_workers(tmp_path):
+def test_timeout_raises_timeout_error_and_stops_the_workers(tmp_path, monkeypatch):
+    # Zygotes of this process's own (not the session's, shared with other test processes):
+    # the workers are then this process's descendants, found below.
+    monkeypatch.delenv(zygote.SHARE_ENV, raising=False)
     # Processes this pytest worker started before (the session's worker pool under -n 0)
     # are not this launch's.
     before = {child.pid for child in psutil.Process().children(recursive=True)}
@@ -142,7 +145,7 @@ def test_timeout_raises_timeout_error_and_stops_the_workers(tmp_path):
     # function wrote its pid files: check that none of our child processes is left.
     if os.listdir(tmp_path):
         _assert_gone(tmp_path)
-    # The preloaded worker server (launching/zygote.py) stays for the next call; the
+    # The preloaded worker server (launching/zygote_server.py) stays for the next call; the
     # workers it forked are its children, so they are still found here.
     servers = zygote.server_pids()
     left = [child for child in psutil.Process().children(recursive=True)

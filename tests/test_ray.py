@@ -70,7 +70,7 @@ def _listening(cluster_pid):
     # session's worker pool and zygotes (keras_dist.testing) run TensorFlow servers of
     # their own when Ray's tests share their pytest process.
     ray_children = [child for child in psutil.Process(cluster_pid).children()
-                    if "zygote.py" not in " ".join(_cmdline(child))]
+                    if "zygote_server.py" not in " ".join(_cmdline(child))]
     pids = {cluster_pid} | {process.pid for child in ray_children
                             for process in [child, *child.children(True)]}
     lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout

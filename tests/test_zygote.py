@@ -9,6 +9,7 @@ exit status, output, and a runtime that is not started yet.
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -104,6 +105,28 @@ def test_a_variable_read_at_import_gets_a_zygote_started_with_it():
                                   "KERAS_DIST_SLOT": "1", "KERAS_DIST_DISABLE_COMPAT": "x",
                                   "KERAS_BACKEND": "tensorflow", "PATH": "/bin"}))
     assert key == {"TF_CPP_MIN_LOG_LEVEL": "1", "KERAS_BACKEND": "tensorflow"}
+
+
+def _zygote_of_a_worker_started_by_a_worker():
+    return run_in_subprocess(os.getppid)
+
+
+def test_a_session_shares_its_zygotes_with_its_processes_until_unshare(monkeypatch):
+    # conftest.py shares the test session's zygotes; this test's session is its own.
+    monkeypatch.delenv(zygote.SHARE_ENV, raising=False)
+    folder = zygote.share()
+    try:
+        server = run_in_subprocess(os.getppid)  # a worker's parent: its zygote
+        assert server in zygote.server_pids()
+        # A worker's worker (a launcher's, a notebook's) comes from the same zygote.
+        assert run_in_subprocess(_zygote_of_a_worker_started_by_a_worker) == server
+    finally:
+        zygote.unshare(folder)
+    assert zygote.SHARE_ENV not in os.environ
+    deadline = time.monotonic() + 10
+    while zygote.running(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not zygote.running(server)
 
 
 def _op_then_strategy():

@@ -31,17 +31,29 @@ Each worker slot of a group has a zygote of its own, so the workers of one group
 where fresh interpreters would: Python's string hash seed above all, which orders sets
 of names -- a collective launched in set order must not agree by accident in tests.
 
+A zygote serves the process that started it (its parent), or, shared (`share`), every
+process of a session: a test session's parallel test processes and the launchers they
+start in subprocesses would otherwise each import TensorFlow once more per zygote
+(measured: 20 zygote imports in one run of the slow lane, ~7 CPU-seconds each, where the
+session needs a few). `share()` names a folder in `KERAS_DIST_ZYGOTE_SHARE`, inherited by
+child processes; a process that needs a zygote for a key takes the key's lock there,
+uses the zygote another process started or starts it (at most `_MAX_SHARED`; beyond, a
+private one). A shared zygote lives until `unshare()` removes the folder or the process
+that called `share()` ends; nobody else stops it (another process may be using it).
+
 Protocol (a Unix SEQPACKET socket, one connection per worker): the request is one
 message, `pickle({"argv", "env", "cwd", "sigint_ignored"})` with the worker's stdin and
 output descriptors attached (SCM_RIGHTS); the zygote answers `pid N`, and `exit R` once
-it reaped the worker (R as `Popen.returncode`: -N for signal N).
-
-    python .../keras_dist/launching/zygote.py SOCKET_PATH PARENT_PID
+it reaped the worker (R as `Popen.returncode`: -N for signal N). The server is
+`launching/zygote_server.py`, run as a script.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
+import glob
+import hashlib
 import os
 import pickle
 import select
@@ -54,7 +66,10 @@ import tempfile
 import threading
 import time
 
-__all__ = ["ForkedProcess", "running", "server_pids", "spawn", "stop_all"]
+from keras_dist.launching import zygote_server
+
+__all__ = ["ForkedProcess", "SHARE_ENV", "running", "server_pids", "share", "spawn",
+           "stop_all", "unshare"]
 
 # Prefixes of environment variables that a library may read when it is imported.
 _IMPORT_TIME_PREFIXES = ("TF_", "KERAS", "XLA_", "CUDA", "NVIDIA", "OMP_", "MKL", "KMP_",
@@ -65,12 +80,12 @@ _IMPORT_TIME_PREFIXES = ("TF_", "KERAS", "XLA_", "CUDA", "NVIDIA", "OMP_", "MKL"
 # cost a TensorFlow import each).
 _READ_LATE = frozenset({"TF_CONFIG", "PYTHONPATH"})
 _READ_LATE_PREFIXES = ("KERAS_DIST_",)
-# Third-party modules only: nothing of keras_dist (see above).
-_PRELOAD = ("numpy", "cloudpickle", "psutil", "tensorflow", "keras")
 _MAX_ZYGOTES = 4  # ~0.7 GB resident each (shared with the workers forked from it)
+_MAX_SHARED = 6  # per shared folder: never stopped before the session ends
 _READY_SECONDS = 180.0  # a zygote's imports on a loaded 2-core machine
-_POLL_SECONDS = 0.05
-_MESSAGE_BYTES = 1 << 20
+_POLL_SECONDS = zygote_server.POLL_SECONDS
+_MESSAGE_BYTES = zygote_server.MESSAGE_BYTES
+SHARE_ENV = "KERAS_DIST_ZYGOTE_SHARE"
 
 
 def import_key(env) -> tuple:
@@ -97,13 +112,31 @@ def supports(argv) -> bool:
 
 def spawn(argv, env) -> "ForkedProcess":
     """Starts `argv` (see `supports`) with `env`, forked from a zygote for `env`."""
-    return _zygote_for(env).spawn(argv, env)
+    return (_shared_zygote(_zygote_key(env)) or _zygote_for(env)).spawn(argv, env)
+
+
+def share() -> str:
+    """Shares the zygotes this process and its child processes start from now on, until
+    `unshare()` or this process's end; returns the session's folder."""
+    folder = tempfile.mkdtemp(prefix="keras_dist_zygotes_")
+    with open(os.path.join(folder, "owner"), "w") as file:
+        file.write(str(os.getpid()))
+    os.environ[SHARE_ENV] = folder
+    return folder
+
+
+def unshare(folder) -> None:
+    """Ends `share()`'s session: its zygotes exit (their workers keep running)."""
+    if os.environ.get(SHARE_ENV) == folder:
+        del os.environ[SHARE_ENV]
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def server_pids() -> set:
-    """Pids of this process's live zygotes (children that are not workers)."""
+    """Pids of the live zygotes this process started (children that are not workers)."""
     with _LOCK:
-        return {zygote.process.pid for zygote in _ZYGOTES.values() if zygote.alive()}
+        return {zygote.pid for zygote in [*_ZYGOTES.values(), *_SHARED.values()]
+                if zygote.process is not None and zygote.alive()}
 
 
 def stop_all() -> None:
@@ -115,7 +148,41 @@ def stop_all() -> None:
 
 _LOCK = threading.Lock()
 _ZYGOTES: dict = {}  # import key -> _Zygote, least recently used first
+_SHARED: dict = {}  # a shared zygote's path in the session's folder -> _Zygote
 atexit.register(stop_all)
+
+
+def _shared_zygote(key):
+    """The session's zygote for `key` (see `share`), started if need be; None when this
+    process is in no session or the session has `_MAX_SHARED` zygotes."""
+    folder = os.environ.get(SHARE_ENV)
+    try:
+        with open(os.path.join(folder, "owner")) as file:
+            owner = int(file.read())
+    except (TypeError, OSError, ValueError):
+        return None
+    # This interpreter too: a session's processes may run in different venvs.
+    digest = hashlib.sha1(repr((sys.executable, key)).encode()).hexdigest()[:16]
+    name = os.path.join(folder, digest)
+    with _LOCK:
+        zygote = _SHARED.get(name)
+        if zygote is not None and zygote.alive():
+            return zygote
+        with open(name + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one start per key across the session
+            try:
+                with open(name + ".pid") as file:
+                    zygote = _Zygote.attach(name + ".socket", int(file.read()))
+            except (OSError, ValueError):
+                zygote = None
+            if zygote is None or not zygote.alive():
+                if len(glob.glob(os.path.join(folder, "*.pid"))) >= _MAX_SHARED:
+                    return None
+                zygote = _Zygote(dict(key[1]), path=name + ".socket", owner=owner)
+                with open(name + ".pid", "w") as file:
+                    file.write(str(zygote.pid))
+        _SHARED[name] = zygote
+        return zygote
 
 
 def _zygote_for(env) -> "_Zygote":
@@ -133,18 +200,21 @@ def _zygote_for(env) -> "_Zygote":
 
 
 class _Zygote:
-    """The parent's end: the server process and its socket."""
+    """The client's end: the server process (or, shared, its pid) and its socket."""
 
-    def __init__(self, import_env):
-        self.directory = tempfile.mkdtemp(prefix="keras_dist_zygote_")
-        self.path = os.path.join(self.directory, "socket")
+    def __init__(self, import_env, path=None, owner=None):
+        self.directory = None if path else tempfile.mkdtemp(prefix="keras_dist_zygote_")
+        self.path = path or os.path.join(self.directory, "socket")
         env = {key: value for key, value in os.environ.items() if not _read_at_import(key)}
         env.update(import_env)
         env.pop("TF_CONFIG", None)
+        shared = [] if owner is None else ["shared"]
         self.process = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), self.path, str(os.getpid())],
+            [sys.executable, os.path.abspath(zygote_server.__file__), self.path,
+             str(os.getpid() if owner is None else owner), *shared],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self.process.pid
         # Its own output: TensorFlow's import chatter (absl's ignores TF_CPP_MIN_LOG_LEVEL).
         from keras_dist.launching.output import pass_on
         threading.Thread(target=pass_on, daemon=True, name="keras-dist-zygote-output",
@@ -152,7 +222,17 @@ class _Zygote:
                          ).start()
         self._ready = False
 
+    @classmethod
+    def attach(cls, path, pid) -> "_Zygote":
+        """A shared zygote another process started (maybe still importing)."""
+        zygote = cls.__new__(cls)
+        zygote.directory, zygote.path, zygote.process, zygote.pid = None, path, None, pid
+        zygote._ready = False
+        return zygote
+
     def alive(self) -> bool:
+        if self.process is None:
+            return running(self.pid)
         return self.process.poll() is None
 
     def spawn(self, argv, env) -> "ForkedProcess":
@@ -188,21 +268,23 @@ class _Zygote:
             except OSError:
                 connection.close()
                 if not self.alive() or time.monotonic() > deadline:
+                    status = self.process.poll() if self.process is not None else "unknown"
                     raise RuntimeError(
                         "keras_dist could not start its preloaded worker server (exit "
-                        f"status {self.process.poll()}); pass preload=False to start "
-                        "fresh processes, and report the error above") from None
+                        f"status {status}); pass preload=False to start fresh processes, "
+                        "and report the error above") from None
                 time.sleep(_POLL_SECONDS)
 
     def stop(self) -> None:
-        if self.alive():
+        if self.process is not None and self.alive():
             self.process.terminate()
             try:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _receive(connection, deadline) -> bytes:
@@ -277,123 +359,3 @@ def running(pid) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-# ---------------------------------------------------------------------------------------
-# The zygote itself (`python .../launching/zygote.py SOCKET_PATH PARENT_PID`). Imports
-# nothing of keras_dist: sys.path[0] is this script's folder, dropped for the workers.
-
-
-def serve(path, parent) -> None:
-    """Imports `_PRELOAD`, then forks a worker per request until the parent is gone."""
-    import importlib
-
-    for name in _PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-    base_path = [entry for entry in sys.path[1:]
-                 if entry not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    server.bind(path + ".tmp")
-    server.listen(64)
-    os.replace(path + ".tmp", path)  # connectable only once every import is done
-    children: dict = {}  # pid -> connection
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    me = os.getpid()
-    try:
-        while os.getppid() == parent:
-            ready, _, _ = select.select([server], [], [], _POLL_SECONDS)
-            if ready:
-                connection, _ = server.accept()
-                pid = _fork_one(server, connection, children, base_path)
-                if pid is not None:
-                    children[pid] = connection
-            _reap(children)
-    finally:
-        if os.getpid() == me:  # not in a forked worker, whose exit passes here too
-            # The parent may end without its atexit (pytest-xdist's workers do).
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-
-
-def _fork_one(server, connection, children, base_path):
-    try:
-        message, fds, _, _ = socket.recv_fds(connection, _MESSAGE_BYTES, 2)
-        request = pickle.loads(message)
-    except Exception as error:  # noqa: BLE001 - a bad request must not stop the server
-        connection.send(f"error {type(error).__name__}: {error}".encode())
-        connection.close()
-        return None
-    pid = os.fork()
-    if pid == 0:
-        server.close()
-        for other in children.values():
-            other.close()
-        connection.close()
-        _become_worker(request, fds, base_path)  # raises SystemExit: never returns
-    for fd in fds:
-        os.close(fd)
-    connection.send(f"pid {pid}".encode())
-    return pid
-
-
-def _reap(children) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        connection = children.pop(pid, None)
-        if connection is not None:
-            try:  # -N for signal N, as Popen.returncode
-                connection.send(f"exit {os.waitstatus_to_exitcode(status)}".encode())
-            except OSError:
-                pass
-            connection.close()
-
-
-def _become_worker(request, fds, base_path):
-    """In the forked child: become what `Popen(argv, env=env, cwd=cwd)` would have run."""
-    import random
-    import runpy
-
-    import numpy as np
-
-    os.setsid()
-    stdin_fd, output_fd = fds
-    os.dup2(stdin_fd, 0)
-    os.dup2(output_fd, 1)
-    os.dup2(output_fd, 2)
-    os.close(stdin_fd)
-    os.close(output_fd)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"]
-                  else signal.default_int_handler)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    tempfile.tempdir = None
-    pythonpath = [entry for entry in request["env"].get("PYTHONPATH", "").split(os.pathsep)
-                  if entry]
-    random.seed()
-    np.random.seed()
-    argv = request["argv"]
-    if argv[1] == "-m":
-        sys.argv = [argv[2], *argv[3:]]
-        sys.path[:] = [request["cwd"], *pythonpath, *base_path]
-        # A fresh `python -m X` has no module X yet (runpy warns otherwise): X runs as
-        # __main__, and importing X by name later gives a second copy, as there.
-        sys.modules.pop(argv[2], None)
-        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = argv[1:]
-        sys.path[:] = [os.path.dirname(os.path.abspath(argv[1])), *pythonpath, *base_path]
-        runpy.run_path(argv[1], run_name="__main__")
-    sys.exit(0)
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
