@@ -112,7 +112,8 @@ def supports(argv) -> bool:
 
 def spawn(argv, env) -> "ForkedProcess":
     """Starts `argv` (see `supports`) with `env`, forked from a zygote for `env`."""
-    return (_shared_zygote(_zygote_key(env)) or _zygote_for(env)).spawn(argv, env)
+    key = _zygote_key(env)
+    return (_shared_zygote(key) or _zygote_for(key)).spawn(argv, env)
 
 
 def share() -> str:
@@ -156,10 +157,7 @@ def _shared_zygote(key):
     """The session's zygote for `key` (see `share`), started if need be; None when this
     process is in no session or the session has `_MAX_SHARED` zygotes."""
     folder = os.environ.get(SHARE_ENV)
-    try:
-        with open(os.path.join(folder, "owner")) as file:
-            owner = int(file.read())
-    except (TypeError, OSError, ValueError):
+    if not folder:
         return None
     # This interpreter too: a session's processes may run in different venvs.
     digest = hashlib.sha1(repr((sys.executable, key)).encode()).hexdigest()[:16]
@@ -168,6 +166,11 @@ def _shared_zygote(key):
         zygote = _SHARED.get(name)
         if zygote is not None and zygote.alive():
             return zygote
+        try:
+            with open(os.path.join(folder, "owner")) as file:
+                owner = int(file.read())
+        except (OSError, ValueError):  # the session ended (unshare)
+            return None
         with open(name + ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one start per key across the session
             try:
@@ -185,8 +188,7 @@ def _shared_zygote(key):
         return zygote
 
 
-def _zygote_for(env) -> "_Zygote":
-    key = _zygote_key(env)
+def _zygote_for(key) -> "_Zygote":
     with _LOCK:
         zygote = _ZYGOTES.pop(key, None)
         if zygote is None or not zygote.alive():
